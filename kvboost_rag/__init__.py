@@ -1,0 +1,39 @@
+"""kvboost-rag: exact chunk-level KV-cache reuse for local HF causal LMs.
+
+>>> from kvboost_rag import KVBoostEngine, EngineConfig
+>>> EngineConfig().reuse
+'exact'
+"""
+
+from .canonical import CanonicalPrompt, Segment, normalize_text
+from .config import EngineConfig
+from .engine import GenerationResult, KVBoostEngine, StreamChunk, Timings, Usage, WarmReport
+from .errors import (
+    ContextWindowExceededError,
+    InvalidRequestError,
+    KVBoostError,
+    MissingModelPackageError,
+    ModelNotFoundError,
+    StoreError,
+    UnsupportedModelError,
+)
+
+__all__ = [
+    "CanonicalPrompt",
+    "ContextWindowExceededError",
+    "EngineConfig",
+    "GenerationResult",
+    "InvalidRequestError",
+    "KVBoostEngine",
+    "KVBoostError",
+    "MissingModelPackageError",
+    "ModelNotFoundError",
+    "Segment",
+    "StoreError",
+    "StreamChunk",
+    "Timings",
+    "Usage",
+    "WarmReport",
+    "normalize_text",
+]
+__version__ = "0.1.0"

