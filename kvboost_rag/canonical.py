@@ -24,8 +24,10 @@ from .errors import InvalidRequestError, UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
-SegmentKind = Literal["text", "document", "message", "glue"]
-"""``glue`` is template text between contents; it is chunked together with the segment after it."""
+SegmentKind = Literal["text", "document", "message", "glue", "closing"]
+"""Template text is ``glue`` when it opens the content after it (``<|im_start|>user\\n``) and
+``closing`` when it ends the message before it (``<|im_end|>\\n``); each is chunked together
+with the content it belongs to, so a message's chunks are the same in every later turn."""
 
 
 def normalize_text(text: str) -> str:
@@ -207,17 +209,25 @@ class Canonicalizer:
             real.append({**message, "content": "".join(blocks)})
         rendered = self._apply_template(marked, add_generation_prompt, template_kwargs)
         expected = normalize_text(self._apply_template(real, add_generation_prompt, template_kwargs))
-        pieces = re.split(f"\x02{nonce}:(\\d+)\x03", rendered)
-        # re.split with a group alternates: glue, index, glue, index, ..., glue
+        ends = self._message_ends(marked, rendered, template_kwargs)
         segments: list[Segment] = []
         order = []
-        for k, piece in enumerate(pieces):
-            if k % 2 == 0:
-                if piece:
-                    segments.append(Segment(normalize_text(piece), "glue"))
-            else:
+        position = 0  # offset of the current piece in ``rendered``
+        # re.split with a group alternates: glue, block index, glue, block index, ..., glue
+        for k, piece in enumerate(re.split(f"\x02{nonce}:(\\d+)\x03", rendered)):
+            if k % 2 == 1:
                 order.append(int(piece))
                 segments.append(Segment(texts[int(piece)], "message"))
+                position += len(f"\x02{nonce}:{piece}\x03")
+                continue
+            # Glue up to the last message end inside it closes that message; the rest opens the next.
+            cuts = [e - position for e in ends if position < e <= position + len(piece)]
+            cut = max(cuts) if cuts and segments else 0
+            if cut:
+                segments.append(Segment(normalize_text(piece[:cut]), "closing"))
+            if piece[cut:]:
+                segments.append(Segment(normalize_text(piece[cut:]), "glue"))
+            position += len(piece)
         if order != list(range(len(texts))) or "".join(s.text for s in segments) != expected:
             logger.warning(
                 "the chat template transforms message contents; the rendered prompt is kept as one segment "
@@ -225,6 +235,22 @@ class Canonicalizer:
             )
             return [Segment(expected, "text")]
         return segments
+
+    def _message_ends(self, marked: list[dict], rendered: str, template_kwargs: dict) -> list[int]:
+        """Offsets in ``rendered`` where each message's own text ends (from renders of message prefixes).
+
+        A template that renders a prefix differently from the start of the full
+        conversation gives no offset there; its glue then simply opens the next content.
+        """
+        ends = []
+        for k in range(1, len(marked) + 1):
+            try:
+                prefix = self._apply_template(marked[:k], False, template_kwargs)
+            except InvalidRequestError:
+                continue  # some templates refuse a conversation that ends on this role
+            if rendered.startswith(prefix):
+                ends.append(len(prefix))
+        return ends
 
     def _apply_template(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
         try:

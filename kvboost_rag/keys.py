@@ -50,15 +50,22 @@ def _token_bytes(ids: Sequence[int]) -> bytes:
 
 
 def group_spans(prompt: CanonicalPrompt) -> list[tuple[int, int]]:
-    """Token spans of segment groups: glue joins the next segment (trailing glue the previous)."""
+    """Token spans of segment groups.
+
+    Opening glue joins the segment after it, closing glue the group before it;
+    glue left at the very end (the generation prompt) joins the last group.
+    """
     groups: list[tuple[int, int]] = []
-    open_start: int | None = None
+    open_start: int | None = None  # start of opening glue waiting for its content
     for segment, (start, end) in zip(prompt.segments, prompt.segment_spans):
         if start == end:
             continue
+        if segment.kind == "closing" and groups and open_start is None:
+            groups[-1] = (groups[-1][0], end)
+            continue
         if open_start is None:
             open_start = start
-        if segment.kind != "glue":
+        if segment.kind not in ("glue", "closing"):
             groups.append((open_start, end))
             open_start = None
     if open_start is not None:  # trailing glue

@@ -85,7 +85,7 @@ def _part_files(alias: str, spec: GGUFAlias) -> list[Path]:
 
 
 def _alias_version(spec: GGUFAlias) -> str:
-    return "-".join(importlib.metadata.version(p) for p in spec.packages)
+    return "-".join(sorted({importlib.metadata.version(p) for p in spec.packages}))
 
 
 def converted_alias_dir(alias: str) -> Path:
@@ -162,16 +162,19 @@ def load_model(
     if getattr(config, "is_encoder_decoder", False):
         msg = f"{name_or_path!r} is an encoder-decoder model; kvboost-rag serves decoder-only causal LMs"
         raise UnsupportedModelError(msg)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        msg = (
+            f"{name_or_path!r} ({config.model_type}) is not a causal language model; "
+            "kvboost-rag needs a model that AutoModelForCausalLM can load"
+        )
+        raise UnsupportedModelError(msg)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
-    except ValueError as e:
-        if "Unrecognized configuration class" in str(e):
-            msg = (
-                f"{name_or_path!r} ({config.model_type}) is not a causal language model; "
-                "kvboost-rag needs a model that AutoModelForCausalLM can load"
-            )
-            raise UnsupportedModelError(msg) from e
-        raise
+    except OSError as e:
+        msg = f"cannot load the weights of {name_or_path!r} ({e}); check that the folder holds model.safetensors"
+        raise ModelNotFoundError(msg) from e
     tokenizer = AutoTokenizer.from_pretrained(path)
     if device is not None:
         model.to(device)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,10 +33,10 @@ class SamplingParams:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             msg = f"max_new_tokens must be >= 1 (got {self.max_new_tokens!r}); ask for at least one token"
             raise InvalidRequestError(msg)
-        if self.temperature < 0:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
             msg = f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy decoding"
             raise InvalidRequestError(msg)
-        if not 0 < self.top_p <= 1:
+        if not (0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1] (got {self.top_p}); use 1.0 to disable it")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (got {self.top_k}); use 0 to disable it")
@@ -51,7 +53,8 @@ class SamplingParams:
         if self.temperature == 0:
             return None
         gen = torch.Generator(device=device)
-        gen.manual_seed(self.seed if self.seed is not None else torch.seed())
+        # An unseeded request draws its own seed; torch's global generator is left alone.
+        gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
         return gen
 
 

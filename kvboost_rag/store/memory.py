@@ -57,6 +57,10 @@ class MemoryStore(KVStore):
         entry.priority = self._priority(entry)
         entry.version = next(self._versions)
         heapq.heappush(self._heap, (entry.priority, entry.version, key))
+        if len(self._heap) > 2 * len(self._entries) + 64:
+            # Every touch leaves a stale item behind; rebuild before they pile up.
+            self._heap = [(e.priority, e.version, k) for k, e in self._entries.items()]
+            heapq.heapify(self._heap)
 
     def get(self, key: str) -> Hit | None:
         with self._lock:

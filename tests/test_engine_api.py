@@ -1,0 +1,185 @@
+"""Engine API: results, streaming, stop strings, threads, bad input (contract 8), model families."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from helpers import tiny_config, tiny_model, tiny_tokenizer
+
+from kvboost_rag import (
+    ContextWindowExceededError,
+    EngineConfig,
+    InvalidRequestError,
+    KVBoostEngine,
+    ModelNotFoundError,
+    Segment,
+    UnsupportedModelError,
+)
+
+PROMPT = [Segment("A key-value cache stores attention keys and values per token. " * 3), Segment("Why? ")]
+
+
+@pytest.fixture
+def engine():
+    return KVBoostEngine(tiny_model("llama"), tiny_tokenizer(), config=EngineConfig(chunk_size=16))
+
+
+def test_result_fields_add_up(engine):
+    r = engine.generate(PROMPT, max_new_tokens=5)
+    u = r.usage
+    assert u.prompt_tokens == len(engine.canonicalize(PROMPT))
+    assert u.cached_tokens + u.recomputed_tokens + u.approx_tokens == u.prompt_tokens
+    assert u.completion_tokens == len(r.token_ids) <= 5
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert r.finish_reason in ("stop", "length")
+    assert 0 < r.timings.ttft_s <= r.timings.total_s
+    assert r.first_logits is None
+
+
+def test_stream_deltas_join_to_the_result_text(engine):
+    chunks = list(engine.stream(PROMPT, max_new_tokens=20))
+    assert chunks[-1].result is not None and all(c.result is None for c in chunks[:-1])
+    assert "".join(c.text for c in chunks) == chunks[-1].result.text
+    assert chunks[-1].result.text == engine.generate(PROMPT, max_new_tokens=20).text
+
+
+def test_stop_string_is_trimmed_and_reported(engine):
+    free = engine.generate(PROMPT, max_new_tokens=20)
+    assert len(free.text) > 3, "the tiny model should produce some text"
+    stop = free.text[2:4]
+    stopped = engine.generate(PROMPT, max_new_tokens=20, stop=[stop])
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.find(stop)]
+    streamed = "".join(c.text for c in engine.stream(PROMPT, max_new_tokens=20, stop=stop))
+    assert streamed == stopped.text
+
+
+def test_eos_ends_generation_with_reason_stop():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    engine = KVBoostEngine(model, tok)
+    first = engine.generate(PROMPT, max_new_tokens=1)
+    engine.eos_ids = frozenset({first.token_ids[0]})  # make the first greedy token the end of sequence
+    r = engine.generate(PROMPT, max_new_tokens=10)
+    assert r.finish_reason == "stop" and r.token_ids == first.token_ids
+
+
+def test_max_new_tokens_gives_reason_length(engine):
+    engine.eos_ids = frozenset()
+    r = engine.generate(PROMPT, max_new_tokens=7)
+    assert r.finish_reason == "length" and len(r.token_ids) == 7
+
+
+def test_threads_get_the_same_answers_as_sequential_calls(engine):
+    prompts = [[*PROMPT[:1], Segment(f"Question {i}? ")] for i in range(6)]
+    expected = [engine.generate(p, max_new_tokens=6).token_ids for p in prompts]
+    got: dict[int, list[int]] = {}
+
+    def worker(i):
+        got[i] = engine.generate(prompts[i], max_new_tokens=6).token_ids
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(6)] == expected
+
+
+# -- bad input: clear errors that name the fix ------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""], [{"role": "user", "content": ""}][:0]])
+def test_empty_prompt(engine, prompt):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.generate(prompt)
+
+
+def test_prompt_beyond_context_window():
+    model = tiny_model("llama", max_position_embeddings=64)
+    engine = KVBoostEngine(model, tiny_tokenizer())
+    with pytest.raises(ContextWindowExceededError, match="context window is 64; shorten"):
+        engine.generate("word " * 200)
+
+
+def test_max_new_tokens_is_capped_by_the_context_window():
+    model = tiny_model("llama", max_position_embeddings=64)
+    engine = KVBoostEngine(model, tiny_tokenizer())
+    engine.eos_ids = frozenset()
+    n = len(engine.canonicalize("fox " * 10))
+    assert n < 48
+    r = engine.generate("fox " * 10, max_new_tokens=500)
+    assert r.finish_reason == "length" and n + len(r.token_ids) == 64
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"stop": [""]}, "stop strings"),
+    ],
+)
+def test_bad_generation_parameters(engine, kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.generate(PROMPT, **kwargs)
+
+
+def test_unknown_model_names_the_aliases(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="smollm2-135m-instruct"):
+        KVBoostEngine.from_pretrained(str(tmp_path / "no-such-model"))
+
+
+def test_non_causal_model_is_refused(tmp_path):
+    from transformers import DistilBertConfig
+
+    DistilBertConfig(vocab_size=100, dim=32, n_layers=1, n_heads=2, hidden_dim=64).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="not a causal language model"):
+        KVBoostEngine.from_pretrained(str(tmp_path))
+
+
+def test_bad_config_value():
+    with pytest.raises(ValueError, match="chunk_size"):
+        EngineConfig(chunk_size=0)
+
+
+# -- model families ----------------------------------------------------------------------------
+
+
+def test_sliding_window_model_reuses_within_the_window_and_falls_back_beyond():
+    model, tok = tiny_model("mistral", sliding_window=96), tiny_tokenizer()
+    engine = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=16))
+    short = [Segment("The quick brown fox. " * 3), Segment("Why?")]
+    engine.generate(short, max_new_tokens=4)
+    again = engine.generate(short, max_new_tokens=4)
+    assert again.reuse_note is None and again.usage.cached_tokens == again.usage.prompt_tokens
+
+    long = [Segment("The quick brown fox jumps over the lazy dog. " * 12), Segment("Why?")]
+    r = engine.generate(long, max_new_tokens=8)
+    assert r.reuse_note is not None and "sliding-window" in r.reuse_note
+    assert r.usage.cached_tokens == 0 and r.usage.stored_tokens == 0
+    ids = torch.tensor([engine.canonicalize(long).token_ids])
+    hf = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=sorted(engine.eos_ids))
+    assert r.token_ids == hf[0, ids.shape[1] :].tolist()
+
+
+def test_hybrid_gemma3_is_served_beyond_the_window():
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(
+        vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=32, max_position_embeddings=512, eos_token_id=2,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    engine = KVBoostEngine(model, tiny_tokenizer(), config=EngineConfig(chunk_size=16))
+    r = engine.generate("The quick brown fox jumps over the lazy dog. " * 8, max_new_tokens=4)
+    assert r.reuse_note is not None and r.usage.cached_tokens == 0
+
+
+def test_tiny_model_config_matches_the_families_under_test():
+    assert tiny_config("gpt2").model_type == "gpt2"
+    assert tiny_config("mistral").sliding_window is None
