@@ -11,10 +11,13 @@ Layouts:
 from __future__ import annotations
 
 import inspect
-from typing import Any, NamedTuple
+from contextlib import contextmanager
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from . import chunk_attention
 
 
 class KVLayout(NamedTuple):
@@ -95,6 +98,11 @@ class Assembler:
         # transformers 5.x renamed ``past_key_values`` to ``cache``; accept either.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._layout: KVLayout | None = None
+        # Over our own full-attention caches, SDPA models run chunk steps through the
+        # mask-free chunk attention (same math, no [L, S] mask, causal work only).
+        self._chunk_attention = (
+            chunk_attention.register() if getattr(model.config, "_attn_implementation", None) == "sdpa" else None
+        )
 
     @property
     def device(self) -> torch.device:
@@ -121,19 +129,40 @@ class Assembler:
         return _BufferedCache(self.config.get_text_config(decoder=True).num_hidden_layers, capacity)
 
     @torch.inference_mode()
-    def forward(self, cache: Cache, token_ids: list[int], start: int) -> torch.Tensor:
-        """Run ``token_ids`` at positions ``start..`` over ``cache``; float32 logits ``[vocab]`` of the last one."""
+    def forward(self, cache: Cache, token_ids: list[int], start: int, *, logits: bool = True) -> torch.Tensor | None:
+        """Run ``token_ids`` at positions ``start..`` over ``cache``.
+
+        Returns float32 logits ``[vocab]`` of the last token, or None with ``logits=False``,
+        which skips the LM head (a full read of the vocabulary matrix per call).
+        """
         device = self.device
         ids = torch.tensor([token_ids], dtype=torch.long, device=device)
         positions = torch.arange(start, start + len(token_ids), device=device).unsqueeze(0)
-        out = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kwarg: cache},
-        )
+        kwargs = {"input_ids": ids, "position_ids": positions, "use_cache": True, self._cache_kwarg: cache}
+        with self._attention_for(cache):
+            if not logits:
+                self.model.base_model(**kwargs)
+                return None
+            out = self.model(**kwargs, logits_to_keep=1)
         return out.logits[0, -1].float()
+
+    @contextmanager
+    def _attention_for(self, cache: Cache) -> Iterator[None]:
+        """Select the chunk attention for the duration of one forward over a buffered cache.
+
+        The switch is on the shared config, so it is held only inside the call; the
+        engine serializes its calls, and the model is left as it was.
+        """
+        if self._chunk_attention is None or not isinstance(cache, _BufferedCache):
+            yield
+            return
+        config = self.model.config
+        previous = config._attn_implementation
+        config._attn_implementation = self._chunk_attention
+        try:
+            yield
+        finally:
+            config._attn_implementation = previous
 
     def layout(self, cache: Cache) -> KVLayout:
         if self._layout is None:

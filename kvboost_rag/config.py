@@ -18,7 +18,7 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    chunk_size: int = Field(default=256, ge=1, le=65536)
+    chunk_size: int = Field(default=512, ge=1, le=65536)
     """Most tokens in one stored chunk; also the prefill step of the canonical schedule."""
 
     max_memory_bytes: int = Field(default=2 * 1024**3, ge=0)

@@ -62,10 +62,10 @@ def prefill(
             cached[hit.tier] += chunk.num_tokens
             logits = hit.chunk.last_logits
             continue
-        logits = assembler.forward(cache, list(token_ids[chunk.start : chunk.end]), chunk.start)
+        logits = assembler.forward(cache, list(token_ids[chunk.start : chunk.end]), chunk.start, logits=i == last)
         recomputed += chunk.num_tokens
         if store is not None:
-            keep_logits = store_last_logits and i == last
+            keep_logits = store_last_logits and i == last and logits is not None
             entry = StoredChunk(assembler.extract(cache, chunk.start, chunk.end), logits.clone() if keep_logits else None)
             store.put(chunk.key, entry, cost=recompute_cost(chunk))
             stored += chunk.num_tokens

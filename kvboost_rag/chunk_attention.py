@@ -1,0 +1,93 @@
+"""Causal attention for one prefill chunk over a cache, without a materialized mask.
+
+A chunk of ``L`` queries at the end of ``S`` cached keys attends to every past
+key and causally to its own keys. SDPA's ``is_causal`` aligns the triangle to
+the top-left, so transformers builds an explicit ``[L, S]`` mask for this case,
+which costs the mask itself, a copy of K/V per layer for grouped-query heads,
+and attention work on the masked half of the chunk's own block. Here the two
+parts run as separate flash-attention calls (past: full; own block: causal) and
+are merged exactly with their log-sum-exp weights.
+
+Registered with transformers' attention interfaces under :data:`ATTENTION_NAME`;
+the assembler selects it only for calls over its own full-attention caches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "kvboost_chunked_sdpa"
+
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _merge_past_and_block(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """``query [B, H, L, D]`` over ``key/value [B, KV, S, D]`` with the last L keys its own (CPU flash)."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads, past = key.shape[1], key.shape[2] - q_len
+    groups = heads // kv_heads
+    # Past part: no mask, so the query heads of each KV group can be folded into the
+    # sequence axis ([B, KV, groups*L, D]); the shared past keys are then read in place.
+    folded = query.reshape(batch, kv_heads, groups * q_len, dim)
+    out_past, lse_past = _flash_cpu(folded, key[:, :, :past], value[:, :, :past], scale=scale)
+    out_past = out_past.reshape(batch, heads, q_len, -1)
+    lse_past = lse_past.reshape(batch, heads, q_len)
+    # Own block: causal and square, so is_causal is exactly right; expand its (few) keys.
+    block_k = key[:, :, past:].repeat_interleave(groups, dim=1)
+    block_v = value[:, :, past:].repeat_interleave(groups, dim=1)
+    out_block, lse_block = _flash_cpu(query, block_k, block_v, is_causal=True, scale=scale)
+    # softmax over the union = weighted mean of the two partial softmaxes
+    top = torch.maximum(lse_past, lse_block)
+    w_past = torch.exp(lse_past - top).unsqueeze(-1)
+    w_block = torch.exp(lse_block - top).unsqueeze(-1)
+    merged = (out_past.float() * w_past + out_block.float() * w_block) / (w_past + w_block)
+    return merged.to(query.dtype)
+
+
+def chunked_causal_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function; returns ``[B, L, H, D]``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    special = attention_mask is not None or kwargs.get("position_bias") is not None or kwargs.get("softcap")
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if special or dropout or key.shape[-1] != value.shape[-1] or heads % kv_heads:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    q_len, past = query.shape[2], key.shape[2] - query.shape[2]
+    gqa = heads != kv_heads
+    if past == 0 or q_len == 1:  # plain causal prefill, or one token attending to everything
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=past == 0 and q_len > 1, scale=scaling, enable_gqa=gqa)
+    elif _flash_cpu is not None and query.device.type == "cpu":
+        out = _merge_past_and_block(query, key, value, scaling)
+    else:
+        mask = torch.ones(q_len, key.shape[2], dtype=torch.bool, device=query.device).tril(past)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """Mask function for :data:`ATTENTION_NAME`: the attention function needs none."""
+    return None
+
+
+def register() -> str:
+    """Register the attention and mask functions with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, chunked_causal_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    return ATTENTION_NAME
