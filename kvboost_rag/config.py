@@ -24,6 +24,12 @@ class EngineConfig(BaseModel):
     max_memory_bytes: int = Field(default=2 * 1024**3, ge=0)
     """Byte budget of the memory tier; least valuable chunks are evicted beyond it."""
 
+    max_disk_bytes: int | None = Field(default=None, ge=0)
+    """Byte budget of the disk tier (``None``: unbounded); unpinned chunks are evicted beyond it."""
+
+    find_documents: bool = True
+    """Split flat prompt text at registered (pre-warmed) documents so each is its own segment."""
+
     reuse: ReuseMode = "exact"
     """``exact``: reuse chunks under their prefix key (zero loss). ``off``: never read or write the store."""
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import torch
 
 from .assembler import Assembler
-from .canonical import Canonicalizer, CanonicalPrompt, PromptInput, Segment
+from .canonical import Canonicalizer, CanonicalPrompt, PromptInput, Segment, normalize_text
 from .config import EngineConfig
 from .errors import ContextWindowExceededError, UnsupportedModelError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
@@ -20,7 +21,8 @@ from .keys import Chunk, make_namespace, plan_chunks
 from .models import load_model
 from .runner import decode, prefill
 from .sampling import SamplingParams
-from .store import KVStore, MemoryStore
+from .registry import DocumentRegistry
+from .store import DiskStore, KVStore, MemoryStore, TieredStore
 from .textstream import TextStream
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,23 @@ class WarmReport:
     seconds: float
 
 
+@dataclass
+class PrewarmReport:
+    """What :meth:`KVBoostEngine.prewarm` did."""
+
+    documents: int
+    skipped: int
+    """Documents whose every chunk was already stored (a resumed run skips them)."""
+    tokens: int
+    """Prompt tokens (prefix + document) over all documents processed."""
+    computed_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.computed_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
 class KVBoostEngine:
     """Generate with a HF causal LM, reusing the KV of repeated context chunk by chunk.
 
@@ -103,6 +122,7 @@ class KVBoostEngine:
         *,
         config: EngineConfig | None = None,
         store: KVStore | None = None,
+        store_dir: str | Path | None = None,
         model_name: str | None = None,
     ) -> None:
         if getattr(model.config, "is_encoder_decoder", False) or not hasattr(model, "generate"):
@@ -112,9 +132,7 @@ class KVBoostEngine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-        self.store: KVStore = store if store is not None else MemoryStore(self.config.max_memory_bytes)
         self.assembler = Assembler(model)
-        self.canonicalizer = Canonicalizer(tokenizer)
         self.namespace = make_namespace(
             model=model_fingerprint(model),
             tokenizer=tokenizer_fingerprint(tokenizer),
@@ -122,8 +140,21 @@ class KVBoostEngine:
             device=self.assembler.device.type,
             attention=str(getattr(model.config, "_attn_implementation", "")),
         )
+        if store is not None and store_dir is not None:
+            raise ValueError("pass either store or store_dir, not both")
+        self.store: KVStore = store if store is not None else self._open_store(store_dir)
+        self.registry = DocumentRegistry(Path(store_dir).expanduser() / "documents.sqlite" if store_dir else None)
+        finder = self.registry.find if self.config.find_documents else None
+        self.canonicalizer = Canonicalizer(tokenizer, find_documents=finder)
         self.eos_ids = self._eos_ids()
         self._lock = threading.RLock()
+
+    def _open_store(self, store_dir: str | Path | None) -> KVStore:
+        memory = MemoryStore(self.config.max_memory_bytes)
+        if store_dir is None:
+            return memory
+        disk = DiskStore(store_dir, self.namespace, max_bytes=self.config.max_disk_bytes)
+        return TieredStore([memory, disk])
 
     @classmethod
     def from_pretrained(
@@ -137,12 +168,9 @@ class KVBoostEngine:
         **config_overrides: Any,
     ) -> KVBoostEngine:
         """Load an alias (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``), HF id or local path."""
-        if store_dir is not None:
-            msg = "store_dir needs the disk tier, which this version does not include yet; pass store_dir=None"
-            raise NotImplementedError(msg)
-        config = (config or EngineConfig()).model_copy(update=config_overrides)
+        config = EngineConfig.model_validate((config or EngineConfig()).model_dump() | config_overrides)
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
-        return cls(model, tokenizer, config=EngineConfig.model_validate(config.model_dump()), model_name=name_or_path)
+        return cls(model, tokenizer, config=config, store_dir=store_dir, model_name=name_or_path)
 
     # -- public API --------------------------------------------------------
 
@@ -217,18 +245,59 @@ class KVBoostEngine:
             out = prefill(self.assembler, canonical.token_ids, chunks, store=self.store, capacity=len(canonical))
         return WarmReport(len(canonical), sum(out.cached_by_tier.values()), out.stored_tokens, time.perf_counter() - t0)
 
-    def prewarm(self, documents: Sequence[str], *, prefix: str = "") -> list[WarmReport]:
-        """Store the exact KV of ``prefix + document`` for each document.
+    def prewarm(
+        self,
+        documents: Iterable[str],
+        *,
+        prefix: str = "",
+        pin: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> PrewarmReport:
+        """Store the exact KV of ``prefix + document`` for each document and register the documents.
 
-        ``prefix`` is the rendered prompt text that precedes the documents in your template.
+        ``prefix`` is the rendered prompt text that precedes the documents in your
+        template. A later flat prompt ``prefix + document + ...`` is split at the
+        registered document and reuses its KV. Documents already stored are skipped,
+        so an interrupted run can simply be started again. ``progress`` is called
+        with the token count of each finished document.
         """
-        return [self.warm([Segment(prefix, "text"), Segment(doc, "document")]) for doc in documents]
+        t0 = time.perf_counter()
+        report = PrewarmReport(documents=0, skipped=0, tokens=0, computed_tokens=0, seconds=0.0)
+        with self._lock:
+            for doc in documents:
+                doc = normalize_text(doc)
+                if not doc:
+                    continue
+                canonical = self.canonicalize([Segment(prefix, "text"), Segment(doc, "document")], add_generation_prompt=False)
+                self._check_window(len(canonical), 0)
+                chunks = self._chunks(canonical)
+                report.documents += 1
+                report.tokens += len(canonical)
+                if all(self.store.contains(c.key) for c in chunks):
+                    report.skipped += 1
+                else:
+                    out = prefill(self.assembler, canonical.token_ids, chunks, store=self.store, capacity=len(canonical))
+                    report.computed_tokens += out.recomputed_tokens
+                if pin:
+                    for chunk in chunks:
+                        self.store.pin(chunk.key)
+                self.registry.register([doc])
+                if progress is not None:
+                    progress(len(canonical))
+            self.store.flush()
+        report.seconds = time.perf_counter() - t0
+        return report
 
     def stats(self) -> dict[str, Any]:
-        return {name: vars(s) | {"hit_rate": s.hit_rate} for name, s in self.store.stats().items()}
+        """Per-tier counters (hits, misses, puts, evictions, entries, bytes, pinned, hit rate)."""
+        out: dict[str, Any] = {name: vars(s) | {"hit_rate": s.hit_rate} for name, s in self.store.stats().items()}
+        out["documents"] = len(self.registry)
+        return out
 
     def close(self) -> None:
+        """Flush pending disk writes and release the store."""
         self.store.close()
+        self.registry.close()
 
     def __enter__(self) -> KVBoostEngine:
         return self

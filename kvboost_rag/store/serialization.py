@@ -1,0 +1,98 @@
+"""KV payload format: raw tensor bytes behind a small checked header. Never pickle.
+
+Layout of one entry (little-endian)::
+
+    b"KVB1" | u32 header_bytes | header (JSON, UTF-8) | kv bytes | logits bytes (optional)
+
+The header names the namespace, the key, shapes, dtypes and an XXH3-128
+checksum of everything after it; :func:`decode` checks all of them, so a
+corrupt, truncated or foreign entry is refused instead of served. XXH3 runs at
+~14 GB/s here, so checking costs far less than reading the bytes.
+
+>>> import torch
+>>> chunk = StoredChunk(torch.arange(24, dtype=torch.float32).reshape(1, 2, 1, 3, 4))
+>>> back = decode(encode(chunk, "ns", "k"), "ns", "k")
+>>> torch.equal(back.kv, chunk.kv), back.last_logits is None
+(True, True)
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import torch
+import xxhash
+
+from ..errors import KVBoostError
+from .base import StoredChunk
+
+MAGIC = b"KVB1"
+_HEADER_LEN = struct.Struct("<I")
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+class CorruptEntryError(KVBoostError, ValueError):
+    """A stored entry failed a check (format, namespace, key, shape, dtype or checksum)."""
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def encode(chunk: StoredChunk, namespace: str, key: str) -> bytes:
+    kv = _raw(chunk.kv)
+    logits = _raw(chunk.last_logits) if chunk.last_logits is not None else memoryview(b"")
+    digest = xxhash.xxh3_128()
+    digest.update(kv)
+    digest.update(logits)
+    header = {
+        "namespace": namespace,
+        "key": key,
+        "kv_shape": list(chunk.kv.shape),
+        "kv_dtype": str(chunk.kv.dtype).removeprefix("torch."),
+        "logits_shape": list(chunk.last_logits.shape) if chunk.last_logits is not None else None,
+        "payload_bytes": kv.nbytes + logits.nbytes,
+        "checksum": digest.hexdigest(),
+    }
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return b"".join((MAGIC, _HEADER_LEN.pack(len(head)), head, kv, logits))
+
+
+def decode(data: bytes | bytearray | memoryview, namespace: str, key: str) -> StoredChunk:
+    """Check and decode an entry; tensors are CPU views on ``data`` when it is writable."""
+    view = memoryview(data)
+    if len(view) < 8 or view[:4] != MAGIC:
+        raise CorruptEntryError("not a kvboost KV entry (bad magic)")
+    (head_len,) = _HEADER_LEN.unpack(view[4:8])
+    try:
+        header = json.loads(bytes(view[8 : 8 + head_len]))
+        kv_shape, kv_dtype = tuple(header["kv_shape"]), _DTYPES[header["kv_dtype"]]
+        logits_shape = header["logits_shape"]
+        expected_bytes, checksum = int(header["payload_bytes"]), header["checksum"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptEntryError(f"unreadable header ({e})") from e
+    if header.get("namespace") != namespace or header.get("key") != key:
+        raise CorruptEntryError("entry belongs to another namespace or key")
+    payload = view[8 + head_len :]
+    kv_bytes = kv_dtype.itemsize * _numel(kv_shape)
+    logits_bytes = 4 * _numel(logits_shape) if logits_shape is not None else 0
+    if len(payload) != expected_bytes or expected_bytes != kv_bytes + logits_bytes or len(kv_shape) != 5:
+        raise CorruptEntryError(f"truncated or malformed payload ({len(payload)} of {expected_bytes} bytes)")
+    if xxhash.xxh3_128_hexdigest(payload) != checksum:
+        raise CorruptEntryError("checksum mismatch")
+    buffer = payload if not payload.readonly else bytearray(payload)  # torch needs a writable buffer
+    kv = torch.frombuffer(buffer, dtype=kv_dtype, count=_numel(kv_shape)).reshape(kv_shape) if kv_bytes else None
+    if kv is None:
+        raise CorruptEntryError("empty KV payload")
+    logits = None
+    if logits_shape is not None:
+        logits = torch.frombuffer(buffer, dtype=torch.float32, offset=kv_bytes).reshape(logits_shape)
+    return StoredChunk(kv, logits)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
