@@ -1,18 +1,33 @@
 """``kvboost-rag`` command line.
 
-Exit codes: 0 success, 2 bad input or usage, 3 model not found or unsupported, 1 anything else.
+Exit codes: 0 success, 1 verify found bad entries, 2 bad input or usage,
+3 model not found or unsupported, 4 store cannot be used.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
-from .errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
-from .models import ALIASES
+from .errors import InvalidRequestError, ModelNotFoundError, StoreError, UnsupportedModelError
+from .models import ALIASES, kvboost_home
 
-EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_MODEL = 0, 1, 2, 3
+EXIT_OK, EXIT_BAD_ENTRIES, EXIT_BAD_INPUT, EXIT_MODEL, EXIT_STORE = 0, 1, 2, 3, 4
+DOCUMENT_SUFFIXES = (".txt", ".md", ".rst")
+
+
+def _default_store() -> str:
+    return str(kvboost_home() / "store")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF id or local path")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,8 +36,8 @@ def _parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion (as a chat user message unless --raw)")
     gen.add_argument("prompt", help="the user message (or raw prompt with --raw); '-' reads standard input")
-    gen.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF id or local path")
-    gen.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    _add_model_args(gen)
+    gen.add_argument("--store", default=None, help="KV store directory (default: memory only)")
     gen.add_argument("--system", default=None, help="system prompt")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--max-new-tokens", type=int, default=128)
@@ -31,8 +46,86 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print the result with usage and timings as JSON")
 
+    pre = sub.add_parser("prewarm", help="compute and store the KV of documents ahead of queries")
+    pre.add_argument("sources", nargs="+", help="folders of .txt/.md/.rst files, JSONL files (text, id), or globs")
+    _add_model_args(pre)
+    pre.add_argument("--store", default=_default_store(), help="KV store directory (default: %(default)s)")
+    group = pre.add_mutually_exclusive_group()
+    group.add_argument("--prefix", default=None, help="exact prompt text that precedes each document")
+    group.add_argument("--system", default=None, help="system prompt: the prefix is the chat template's text "
+                       "up to the start of the user message that holds the documents")
+    pre.add_argument("--pin", action="store_true", help="never evict these documents")
+    pre.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    stats = sub.add_parser("stats", help="entries, bytes and reads per namespace of a store")
+    stats.add_argument("--store", default=_default_store())
+    stats.add_argument("--json", action="store_true")
+
+    ver = sub.add_parser("verify", help="check every entry; optionally recompute a sample bitwise")
+    ver.add_argument("--store", default=_default_store())
+    ver.add_argument("--sample", type=int, default=0, help="entries to recompute with --model and compare bitwise")
+    _add_model_args(ver)
+
+    gc = sub.add_parser("gc", help="drop the entries of every namespace but the given model's")
+    gc.add_argument("--store", default=_default_store())
+    _add_model_args(gc)
+
+    clear = sub.add_parser("clear", help="delete every entry and registered document")
+    clear.add_argument("--store", default=_default_store())
+    clear.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
     sub.add_parser("models", help="list the offline model aliases")
     return parser
+
+
+# -- documents --------------------------------------------------------------------------------
+
+
+def iter_documents(sources: list[str]) -> Iterator[str]:
+    """Texts from folders, JSONL files (``text`` field) and glob patterns, in a stable order."""
+    for source in sources:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            wanted = (*DOCUMENT_SUFFIXES, ".jsonl")
+            files = sorted(p for p in path.rglob("*") if p.suffix.lower() in wanted and p.is_file())
+        elif path.is_file():
+            files = [path]
+        else:
+            files = [Path(p) for p in sorted(glob.glob(source, recursive=True)) if Path(p).is_file()]
+            if not files:
+                raise InvalidRequestError(f"{source!r} is not a folder, a file or a glob that matches files")
+        for file in files:
+            if file.suffix.lower() == ".jsonl":
+                yield from _jsonl_texts(file)
+            else:
+                yield file.read_text(encoding="utf-8")
+
+
+def _jsonl_texts(file: Path) -> Iterator[str]:
+    with open(file, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                text = record["text"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise InvalidRequestError(f"{file}:{n}: each JSONL line needs a JSON object with a 'text' field") from e
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"{file}:{n}: 'text' must be a string")
+            yield text
+
+
+def system_prefix(engine: Any, system: str) -> str:
+    """The chat template's text from the start up to the content of the first user message."""
+    marker = "\x02kvboost-documents\x03"
+    rendered = engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": marker}], tokenize=False
+    )
+    return rendered[: rendered.index(marker)]
+
+
+# -- commands ---------------------------------------------------------------------------------
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -40,24 +133,140 @@ def _generate(args: argparse.Namespace) -> int:
 
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.raw:
-        prompt = text
+        prompt: Any = text
     else:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": text}
         ]
-    engine = KVBoostEngine.from_pretrained(args.model, dtype=args.dtype)
-    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, stop=args.stop)
-    if args.json:
-        r = engine.generate(prompt, **kwargs)
-        out = {"text": r.text, "finish_reason": r.finish_reason, "usage": vars(r.usage), "timings": vars(r.timings)}
-        print(json.dumps(out, indent=2))
-        return EXIT_OK
-    for chunk in engine.stream(prompt, **kwargs):
-        print(chunk.text, end="", flush=True)
-        if chunk.result is not None:
-            print(f"\n[{chunk.result.usage.prompt_tokens} prompt tokens, TTFT {chunk.result.timings.ttft_s:.3f} s]",
-                  file=sys.stderr)
+    with KVBoostEngine.from_pretrained(args.model, dtype=args.dtype, store_dir=args.store) as engine:
+        kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, stop=args.stop)
+        if args.json:
+            r = engine.generate(prompt, **kwargs)
+            out = {"text": r.text, "finish_reason": r.finish_reason, "usage": vars(r.usage), "timings": vars(r.timings)}
+            print(json.dumps(out, indent=2))
+            return EXIT_OK
+        for chunk in engine.stream(prompt, **kwargs):
+            print(chunk.text, end="", flush=True)
+            if chunk.result is not None:
+                u, t = chunk.result.usage, chunk.result.timings
+                print(f"\n[{u.prompt_tokens} prompt tokens, {u.cached_tokens} reused, TTFT {t.ttft_s:.3f} s]",
+                      file=sys.stderr)
     return EXIT_OK
+
+
+def _prewarm(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .engine import KVBoostEngine
+
+    documents = list(iter_documents(args.sources))
+    if not documents:
+        raise InvalidRequestError("no documents found in the given sources")
+    with KVBoostEngine.from_pretrained(args.model, dtype=args.dtype, store_dir=args.store) as engine:
+        prefix = args.prefix if args.prefix is not None else (system_prefix(engine, args.system) if args.system else "")
+        with tqdm(total=len(documents), unit="doc", disable=args.quiet, file=sys.stderr) as bar:
+            tokens = [0]
+
+            def progress(n: int) -> None:
+                tokens[0] += n
+                bar.update(1)
+                bar.set_postfix(tok_per_s=f"{tokens[0] / max(bar.format_dict['elapsed'], 1e-9):.0f}")
+
+            report = engine.prewarm(documents, prefix=prefix, pin=args.pin, progress=progress)
+    print(
+        f"prewarmed {report.documents} documents ({report.skipped} already stored) into {args.store}: "
+        f"{report.tokens} tokens, {report.computed_tokens} computed in {report.seconds:.1f} s "
+        f"({report.tokens_per_s:.0f} tokens/s)"
+    )
+    return EXIT_OK
+
+
+def _open_disk(store: str):
+    from .store import DiskStore
+
+    if not Path(store).expanduser().is_dir():
+        raise StoreError(f"no store at {store!r}; pass --store with the directory given to prewarm")
+    return DiskStore(store, namespace="", background_writes=False)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from .registry import DocumentRegistry
+
+    disk = _open_disk(args.store)
+    try:
+        spaces = disk.usage()
+    finally:
+        disk.close()
+    registry = DocumentRegistry(Path(args.store).expanduser() / "documents.sqlite")
+    out = {
+        "store": args.store,
+        "entries": sum(row["entries"] for row in spaces.values()),
+        "bytes": sum(row["bytes"] for row in spaces.values()),
+        "documents": len(registry),
+        "namespaces": spaces,
+    }
+    registry.close()
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{out['store']}: {out['entries']} entries, {out['bytes'] / 2**20:.1f} MiB, "
+              f"{out['documents']} registered documents")
+        for ns, row in out["namespaces"].items():
+            print(f"  namespace {ns[:16]}…: {row['entries']} entries, {row['bytes'] / 2**20:.1f} MiB, "
+                  f"{row['reads']} reads, {row['pinned']} pinned")
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .engine import KVBoostEngine
+    from .maintenance import recompute_sample, scan
+
+    disk = _open_disk(args.store)
+    try:
+        report = scan(disk)
+    finally:
+        disk.close()
+    print(f"checked {report.checked} entries: {len(report.corrupt)} corrupt (removed)")
+    ok = report.ok
+    if args.sample:
+        with KVBoostEngine.from_pretrained(args.model, dtype=args.dtype, store_dir=args.store) as engine:
+            disk = engine.store.tiers[-1]
+            sample = recompute_sample(engine, disk, args.sample)
+        print(f"recomputed {sample.recomputed} entries: {len(sample.mismatched)} differ bitwise, "
+              f"{sample.unverifiable} could not be rebuilt (a parent chunk was evicted)")
+        ok = ok and sample.ok
+    return EXIT_OK if ok else EXIT_BAD_ENTRIES
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from .engine import KVBoostEngine
+
+    with KVBoostEngine.from_pretrained(args.model, dtype=args.dtype, store_dir=args.store) as engine:
+        dropped = engine.store.tiers[-1].drop_namespaces({engine.namespace})
+    print(f"dropped {dropped} entries of other models, dtypes or tokenizers")
+    return EXIT_OK
+
+
+def _clear(args: argparse.Namespace) -> int:
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise InvalidRequestError("refusing to clear without confirmation; pass --yes")
+        if input(f"delete every entry in {args.store}? [y/N] ").strip().lower() != "y":
+            return EXIT_OK
+    disk = _open_disk(args.store)
+    try:
+        disk.clear()
+    finally:
+        disk.close()
+    registry_file = Path(args.store).expanduser() / "documents.sqlite"
+    for suffix in ("", "-wal", "-shm"):
+        Path(str(registry_file) + suffix).unlink(missing_ok=True)
+    print(f"cleared {args.store}")
+    return EXIT_OK
+
+
+COMMANDS = {"generate": _generate, "prewarm": _prewarm, "stats": _stats, "verify": _verify, "gc": _gc,
+            "clear": _clear}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,10 +276,13 @@ def main(argv: list[str] | None = None) -> int:
             for name, spec in ALIASES.items():
                 print(f"{name}\t(from PyPI: {', '.join(spec.packages)})")
             return EXIT_OK
-        return _generate(args)
+        return COMMANDS[args.command](args)
     except (ModelNotFoundError, UnsupportedModelError) as e:
         print(f"kvboost-rag: {e}", file=sys.stderr)
         return EXIT_MODEL
+    except StoreError as e:
+        print(f"kvboost-rag: {e}", file=sys.stderr)
+        return EXIT_STORE
     except (InvalidRequestError, ValueError) as e:
         print(f"kvboost-rag: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -66,7 +66,12 @@ def prefill(
         recomputed += chunk.num_tokens
         if store is not None:
             keep_logits = store_last_logits and i == last and logits is not None
-            entry = StoredChunk(assembler.extract(cache, chunk.start, chunk.end), logits.clone() if keep_logits else None)
+            entry = StoredChunk(
+                assembler.extract(cache, chunk.start, chunk.end),
+                logits.clone() if keep_logits else None,
+                token_ids=tuple(token_ids[chunk.start : chunk.end]),
+                parent_key=chunks[i - 1].key if i else None,
+            )
             store.put(chunk.key, entry, cost=recompute_cost(chunk))
             stored += chunk.num_tokens
     assert logits is not None  # chunks is never empty: the canonicalizer refuses empty prompts

@@ -20,6 +20,10 @@ class StoredChunk:
     kv: torch.Tensor
     last_logits: torch.Tensor | None = None
     """float32 ``[vocab]`` logits at the chunk's last position, kept for a prompt's final chunk."""
+    token_ids: tuple[int, ...] | None = None
+    """The chunk's tokens; with ``parent_key`` they let ``verify`` rebuild and recompute any entry."""
+    parent_key: str | None = None
+    """Prefix key of the chunk before this one (None for a prompt's first chunk)."""
 
     @property
     def num_tokens(self) -> int:

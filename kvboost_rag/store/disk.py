@@ -233,6 +233,14 @@ class DiskStore(KVStore):
         rows = self._index.execute("SELECT namespace, COUNT(*), SUM(bytes) FROM entries GROUP BY namespace")
         return {ns: (n, b) for ns, n, b in rows}
 
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per namespace: entries, bytes, reads (hits after the first store) and pinned entries."""
+        self.flush()
+        rows = self._index.execute(
+            "SELECT namespace, COUNT(*), SUM(bytes), SUM(hits) - COUNT(*), SUM(pinned) FROM entries GROUP BY namespace"
+        )
+        return {ns: {"entries": n, "bytes": b, "reads": r, "pinned": p} for ns, n, b, r, p in rows}
+
     def keys(self, namespace: str | None = None) -> Iterator[str]:
         """Keys of one namespace (default: this store's), or of all when ``namespace == "*"``."""
         self.flush()

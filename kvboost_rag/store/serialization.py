@@ -53,6 +53,8 @@ def encode(chunk: StoredChunk, namespace: str, key: str) -> bytes:
         "kv_dtype": str(chunk.kv.dtype).removeprefix("torch."),
         "logits_shape": list(chunk.last_logits.shape) if chunk.last_logits is not None else None,
         "payload_bytes": kv.nbytes + logits.nbytes,
+        "token_ids": list(chunk.token_ids) if chunk.token_ids is not None else None,
+        "parent_key": chunk.parent_key,
         "checksum": digest.hexdigest(),
     }
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -88,7 +90,10 @@ def decode(data: bytes | bytearray | memoryview, namespace: str, key: str) -> St
     logits = None
     if logits_shape is not None:
         logits = torch.frombuffer(buffer, dtype=torch.float32, offset=kv_bytes).reshape(logits_shape)
-    return StoredChunk(kv, logits)
+    token_ids = header.get("token_ids")
+    if token_ids is not None and len(token_ids) != kv_shape[3]:
+        raise CorruptEntryError("token count does not match the KV shape")
+    return StoredChunk(kv, logits, tuple(token_ids) if token_ids is not None else None, header.get("parent_key"))
 
 
 def _numel(shape) -> int:

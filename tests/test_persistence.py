@@ -1,0 +1,127 @@
+"""Contract 5 end to end: a store written by one process serves another, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import essay_paragraphs, tiny_model, tiny_tokenizer
+
+from kvboost_rag import EngineConfig, KVBoostEngine
+
+PREFIX = "Answer from the documents below.\n\n"
+QUESTION = "\n\nQuestion: what is this about?"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "kvboost_rag.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+
+
+def cold_reference(model_dir, prompt):
+    engine = KVBoostEngine.from_pretrained(str(model_dir), dtype="float32", reuse="off")
+    return engine.generate(prompt, max_new_tokens=8, return_logits=True)
+
+
+def test_prewarm_in_one_process_then_documents_come_from_disk_in_another(model_dir, tmp_path):
+    docs = essay_paragraphs(3, max_chars=600)
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i, d in enumerate(docs):
+        (folder / f"{i}.txt").write_text(d)
+    store = tmp_path / "store"
+    done = cli("prewarm", str(folder), "--model", str(model_dir), "--dtype", "float32", "--store", str(store),
+               "--prefix", PREFIX, "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert "prewarmed 3 documents (0 already stored)" in done.stdout
+
+    prompt = PREFIX + docs[1] + QUESTION
+    with KVBoostEngine.from_pretrained(str(model_dir), dtype="float32", store_dir=str(store)) as engine:
+        r = engine.generate(prompt, max_new_tokens=8, return_logits=True)
+        doc_tokens = len(engine.canonicalize([PREFIX, docs[1]]))
+    assert r.usage.cached_tokens_by_tier.get("disk", 0) >= doc_tokens - EngineConfig().chunk_size
+    assert r.usage.cached_tokens == doc_tokens  # prefix and document: everything but the question
+    # The registry split the flat prompt at the document; the uncached path of that canonical form:
+    ref = cold_reference(model_dir, [PREFIX, docs[1], QUESTION])
+    assert torch.equal(r.first_logits, ref.first_logits) and r.token_ids == ref.token_ids
+
+    again = cli("prewarm", str(folder), "--model", str(model_dir), "--dtype", "float32", "--store", str(store),
+                "--prefix", PREFIX, "--quiet")
+    assert "(3 already stored)" in again.stdout, "a second run resumes by skipping stored documents"
+
+
+def test_full_prompt_from_disk_in_a_fresh_process_is_bitwise_identical(model_dir, tmp_path):
+    store = tmp_path / "store"
+    prompt = PREFIX + essay_paragraphs(1)[0] + QUESTION
+    first = cli("generate", "--raw", prompt, "--model", str(model_dir), "--dtype", "float32",
+                "--store", str(store), "--max-new-tokens", "8", "--json")
+    assert first.returncode == 0, first.stderr
+    written = json.loads(first.stdout)
+    assert written["usage"]["stored_tokens"] == written["usage"]["prompt_tokens"]
+
+    with KVBoostEngine.from_pretrained(str(model_dir), dtype="float32", store_dir=str(store)) as engine:
+        r = engine.generate(prompt, max_new_tokens=8, return_logits=True)
+    assert r.usage.cached_tokens_by_tier == {"disk": r.usage.prompt_tokens}
+    assert r.usage.recomputed_tokens == 0
+    assert r.text == written["text"]
+    ref = cold_reference(model_dir, prompt)
+    assert torch.equal(r.first_logits, ref.first_logits) and r.token_ids == ref.token_ids
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """The CLI in this process (fast); the tests above use real separate processes."""
+    from kvboost_rag.cli import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_stats_verify_gc_clear(model_dir, tmp_path, capsys):
+    store = str(tmp_path / "store")
+    model = ("--model", str(model_dir))
+    prompt = PREFIX + "\n\n".join(essay_paragraphs(2, max_chars=700)) + QUESTION  # several chunks
+    assert run_main(capsys, "generate", "--raw", prompt, *model, "--dtype", "float32", "--store", store,
+                    "--max-new-tokens", "2", "--json")[0] == 0
+    stats = json.loads(run_main(capsys, "stats", "--store", store, "--json")[1])
+    assert stats["entries"] > 0 and stats["bytes"] > 0 and len(stats["namespaces"]) == 1
+
+    code, out, _ = run_main(capsys, "verify", "--store", store, *model, "--dtype", "float32", "--sample", "2")
+    assert code == 0 and "recomputed 2 entries: 0 differ bitwise" in out
+
+    # entries of another dtype are another namespace; gc for float32 drops them
+    assert run_main(capsys, "generate", "--raw", prompt, *model, "--dtype", "bfloat16", "--store", store,
+                    "--max-new-tokens", "1", "--json")[0] == 0
+    assert len(json.loads(run_main(capsys, "stats", "--store", store, "--json")[1])["namespaces"]) == 2
+    code, out, _ = run_main(capsys, "gc", "--store", store, *model, "--dtype", "float32")
+    assert code == 0 and "dropped" in out
+    assert len(json.loads(run_main(capsys, "stats", "--store", store, "--json")[1])["namespaces"]) == 1
+
+    # a corrupt payload makes verify fail and removes it
+    victim = next((tmp_path / "store" / "kv").rglob("*.val"))
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    code, out, _ = run_main(capsys, "verify", "--store", store)
+    assert code == 1 and "1 corrupt" in out
+
+    assert run_main(capsys, "clear", "--store", store, "--yes")[0] == 0
+    assert json.loads(run_main(capsys, "stats", "--store", store, "--json")[1])["entries"] == 0
+
+
+def test_cli_errors_have_exit_codes(tmp_path, capsys):
+    assert run_main(capsys, "generate", "hi", "--model", str(tmp_path / "nope"))[0] == 3
+    assert run_main(capsys, "stats", "--store", str(tmp_path / "missing"))[0] == 4
+    code, _, err = run_main(capsys, "prewarm", str(tmp_path / "nothing-*.txt"), "--store", str(tmp_path / "s"))
+    assert code == 2 and "not a folder" in err
