@@ -57,6 +57,7 @@ class DocumentRegistry:
 
     def register(self, texts: Iterable[str]) -> int:
         """Add canonical (normalized) document texts; returns how many were new."""
+        self._refresh()
         new = [t for t in dict.fromkeys(texts) if len(t) >= ANCHOR_CHARS and not self._known(t)]
         if self._con is not None and new:
             with self._lock:

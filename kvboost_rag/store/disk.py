@@ -51,8 +51,8 @@ class KVDisk(diskcache.Disk):
         return super().store(bytes(value), read, key)
 
     def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> bytearray:
-        if mode == diskcache.core.MODE_PICKLE:
-            raise CorruptEntryError("pickled value in a KV store: refused")
+        if mode == diskcache.core.MODE_RAW and isinstance(value, (bytes, sqlite3.Binary)):
+            return bytearray(value)
         if mode == diskcache.core.MODE_BINARY and filename is not None:
             path = os.path.join(self._directory, filename)
             try:
@@ -63,8 +63,12 @@ class KVDisk(diskcache.Disk):
                         raise CorruptEntryError("short read")
                     return buffer
             except FileNotFoundError as e:
-                raise CorruptEntryError("payload file is missing") from e
-        return bytearray(super().fetch(mode, filename, value, False))
+                raise MissingPayloadError("payload file is missing") from e
+        raise CorruptEntryError(f"value of storage mode {mode} in a KV store: refused (never unpickled)")
+
+
+class MissingPayloadError(CorruptEntryError):
+    """The row names a payload file that is gone (deleted, or replaced by a concurrent write)."""
 
 
 class _Index:
@@ -159,9 +163,17 @@ class DiskStore(KVStore):
 
     # -- KVStore -----------------------------------------------------------------------------
 
+    def _read(self, key: str) -> bytearray | None:
+        try:
+            return self._cache.get(key, default=None, read=True)
+        except MissingPayloadError:
+            # Another process may have replaced the entry between our row lookup and the
+            # file open (the old file is deleted then): look again before calling it corrupt.
+            return self._cache.get(key, default=None, read=True)
+
     def get(self, key: str) -> Hit | None:
         try:
-            data = self._cache.get(key, default=None, read=True)
+            data = self._read(key)
             chunk = None if data is None else decode(data, self.namespace, key)
         except CorruptEntryError as e:
             self._drop_corrupt(key, str(e))
@@ -264,7 +276,7 @@ class DiskStore(KVStore):
 
     def read_checked(self, key: str, namespace: str) -> StoredChunk:
         """Read and check one entry of any namespace; raises :class:`CorruptEntryError`."""
-        data = self._cache.get(key, default=None, read=True)
+        data = self._read(key)
         if data is None:
             raise CorruptEntryError("no payload for an indexed key")
         return decode(data, namespace, key)
@@ -324,8 +336,9 @@ class DiskStore(KVStore):
             self._cache.set(key, data)
             self._index.execute(
                 "INSERT INTO entries (key, namespace, bytes, tokens, cost, hits, last_access, pinned)"
-                " VALUES (?, ?, ?, ?, ?, 1, ?, ?) ON CONFLICT(key) DO UPDATE SET bytes = excluded.bytes,"
-                " cost = excluded.cost, last_access = excluded.last_access, pinned = MAX(pinned, excluded.pinned)",
+                " VALUES (?, ?, ?, ?, ?, 1, ?, ?) ON CONFLICT(key) DO UPDATE SET namespace = excluded.namespace,"
+                " bytes = excluded.bytes, tokens = excluded.tokens, cost = excluded.cost,"
+                " last_access = excluded.last_access, pinned = MAX(pinned, excluded.pinned)",
                 (key, self.namespace, len(data), chunk.num_tokens, cost, time.time(), int(pin)),
             )
         except (OSError, sqlite3.OperationalError) as e:

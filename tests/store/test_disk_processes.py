@@ -6,6 +6,7 @@ import multiprocessing as mp
 import random
 import traceback
 
+import pytest
 import torch
 
 from kvboost_rag.store.base import StoredChunk
@@ -25,7 +26,8 @@ def chunk_of(w: int, i: int) -> StoredChunk:
     g = torch.Generator().manual_seed(1000 * w + i)
     tokens = 160 if i % 7 == 0 else 3
     last = torch.randn(11, generator=g) if i % 3 == 0 else None
-    return StoredChunk(torch.randn(2, 2, 2, tokens, 16, generator=g).to(torch.bfloat16 if w == 1 else torch.float32), last)
+    dtype = torch.bfloat16 if w == 1 else torch.float32
+    return StoredChunk(torch.randn(2, 2, 2, tokens, 16, generator=g).to(dtype), last)
 
 
 def same(a: StoredChunk, b: StoredChunk) -> bool:
@@ -42,7 +44,7 @@ def same(a: StoredChunk, b: StoredChunk) -> bool:
 def writer(directory: str, w: int, start, results) -> None:
     try:
         store = DiskStore(directory, namespace=NS)
-        start.wait()
+        start.wait(timeout=120)
         for i in range(KEYS_PER_WRITER):
             store.put(key_of(w, i), chunk_of(w, i), cost=float(i + 1), pin=i == 0)
             if i % 10 == 9:
@@ -60,7 +62,7 @@ def reader(directory: str, r: int, start, stop, results) -> None:
     try:
         store = DiskStore(directory, namespace=NS)
         rng = random.Random(r)
-        start.wait()
+        start.wait(timeout=120)
         while not stop.is_set():
             w, i = rng.choice(ALL_KEYS)
             hit = store.get(key_of(w, i))
@@ -82,6 +84,7 @@ def reader(directory: str, r: int, start, stop, results) -> None:
         results.put(("reader", r, traceback.format_exc()))
 
 
+@pytest.mark.slow  # ~20 s here: five fresh interpreters each import torch and transformers
 def test_concurrent_writers_and_readers_share_one_directory(tmp_path):
     directory = str(tmp_path / "store")
     DiskStore(directory, namespace=NS).close()  # create the directory and databases once
