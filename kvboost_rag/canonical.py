@@ -121,6 +121,8 @@ class Canonicalizer:
         self._memo: dict[str, tuple[int, ...]] = {}
         self._memo_limit = cache_entries
         self._bos_id = self._bos_to_prepend()
+        self._anchor: tuple[str, int] | None = None
+        self._anchor = self._find_anchor()
 
     # -- tokens -----------------------------------------------------------
 
@@ -133,14 +135,45 @@ class Canonicalizer:
         without = self.tokenizer.encode("a", add_special_tokens=False)
         return bos if len(with_special) > len(without) and with_special[0] == bos else None
 
+    def _encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _joins_cleanly(self, anchor: tuple[str, int] | None) -> bool:
+        saved, self._anchor = self._anchor, anchor
+        try:
+            pairs = [("Hello", "world"), ("Hello ", "world"), ("a\n", " b"), ("x", "  y ")]
+            return all(self.decode(self._tokenize_uncached(a) + self._tokenize_uncached(b)) == a + b for a, b in pairs)
+        finally:
+            self._anchor = saved
+
+    def _find_anchor(self) -> tuple[str, int] | None:
+        """A special token to tokenize segments after, for tokenizers that mark a word start
+        at the beginning of every input (SentencePiece's ``▁``): without it, segments
+        tokenized on their own would not decode back to their concatenation."""
+        if self._joins_cleanly(None):
+            return None
+        for name in ("unk_token", "pad_token", "eos_token", "bos_token"):
+            token = getattr(self.tokenizer, name, None)
+            ids = self._encode(token) if isinstance(token, str) else []
+            if len(ids) == 1 and self._joins_cleanly((token, ids[0])):
+                return token, ids[0]
+        logger.warning("segments tokenized on their own do not decode back to their concatenation with this tokenizer")
+        return None
+
+    def _tokenize_uncached(self, text: str) -> tuple[int, ...]:
+        if self._anchor is None:
+            return tuple(self._encode(text))
+        anchor, anchor_id = self._anchor
+        ids = self._encode(anchor + text)
+        return tuple(ids[1:]) if ids[:1] == [anchor_id] else tuple(self._encode(text))
+
     def tokenize(self, text: str) -> tuple[int, ...]:
         """Canonical ids of one (already normalized) segment text; never adds special tokens."""
         ids = self._memo.get(text)
         if ids is None:
-            if self._backend is not None:
-                ids = tuple(self._backend.encode(text, add_special_tokens=False).ids)
-            else:
-                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            ids = self._tokenize_uncached(text)
             if len(self._memo) >= self._memo_limit:
                 self._memo.pop(next(iter(self._memo)))  # drop the oldest entry
             self._memo[text] = ids

@@ -49,6 +49,24 @@ def tiny_tokenizer(add_bos: bool = False):
     return fast
 
 
+@functools.cache
+def sentencepiece_style_tokenizer():
+    """A Metaspace (``▁``) BPE with byte fallback, like Llama-2/Mistral SentencePiece tokenizers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    tok.train_from_iterator([TRAINING_TEXT] * 20, trainer=trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHATML
+    return fast
+
+
 TINY_VOCAB = 400
 
 
