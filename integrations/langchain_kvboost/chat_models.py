@@ -1,0 +1,193 @@
+"""ChatKVBoost: a LangChain chat model backed by a local kvboost-rag engine."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field
+
+from langchain_kvboost.messages import to_chat_messages
+
+if TYPE_CHECKING:
+    from kvboost_rag import GenerationResult, KVBoostEngine
+
+_ENGINES: dict[tuple, KVBoostEngine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def clear_engines() -> None:
+    """Close and forget every engine the process-wide registry holds."""
+    with _ENGINES_LOCK:
+        for engine in _ENGINES.values():
+            engine.close()
+        _ENGINES.clear()
+
+
+class ChatKVBoost(BaseChatModel):
+    """Chat model over a local HF causal LM that reuses the KV of repeated context.
+
+    System prompts, retrieved documents and chat history that come back in the
+    next call are read from the KV store instead of being recomputed; answers in
+    ``reuse="exact"`` mode are bitwise identical to the uncached path.
+
+    Construction is cheap: the engine loads on first use and is shared by every
+    ``ChatKVBoost`` with the same model, dtype, device, store and chunk size.
+
+    Example:
+        .. code-block:: python
+
+            from langchain_kvboost import ChatKVBoost
+
+            llm = ChatKVBoost(model="smollm2-135m-instruct", store_dir="./kv", max_tokens=64)
+            msg = llm.invoke([("system", "Be brief."), ("human", "What is a KV cache?")])
+            msg.usage_metadata["input_token_details"]["cache_read"]
+    """
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    model: str = Field(default="smollm2-135m-instruct", alias="model_name")
+    """Alias (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``), HF model id or local path."""
+    store_dir: str | None = None
+    """KV store directory shared across processes and restarts; None keeps KV in memory only."""
+    dtype: str = "bfloat16"
+    """Weights and KV dtype: ``bfloat16``, ``float32`` or ``float16``."""
+    device: str | None = None
+    """Torch device (``cpu``, ``cuda``); None keeps the loader's default."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy."""
+    max_tokens: int = 256
+    """Most tokens to generate per call."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0 disables."""
+    seed: int | None = None
+    """Seed for sampling; the same seed gives the same tokens."""
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    """Stop strings, applied to the text and trimmed from it."""
+    reuse: Literal["exact", "off"] = "exact"
+    """``exact`` reuses stored KV with zero loss; ``off`` never reads or writes the store."""
+    chunk_size: int = 1024
+    """Tokens per stored chunk (and prefill step)."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "kvboost"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model, "dtype": self.dtype, "temperature": self.temperature, "reuse": self.reuse}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "kvboost"
+        params["ls_model_name"] = kwargs.get("model", self.model)
+        params["ls_model_type"] = "chat"
+        params["ls_temperature"] = kwargs.get("temperature", self.temperature)
+        params["ls_max_tokens"] = kwargs.get("max_tokens", self.max_tokens)
+        return params
+
+    @property
+    def engine(self) -> KVBoostEngine:
+        """The shared engine (loaded on first use)."""
+        from kvboost_rag import EngineConfig, KVBoostEngine
+
+        key = (self.model, self.dtype, self.device, self.store_dir, self.chunk_size)
+        with _ENGINES_LOCK:
+            engine = _ENGINES.get(key)
+            if engine is None:
+                config = EngineConfig(chunk_size=self.chunk_size)
+                engine = KVBoostEngine.from_pretrained(
+                    self.model, store_dir=self.store_dir, dtype=self.dtype, device=self.device, config=config
+                )
+                _ENGINES[key] = engine
+        return engine
+
+    # -- generation --------------------------------------------------------------------------
+
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> dict:
+        stops = [*(self.stop or []), *(stop or []), *(kwargs.pop("stop", None) or [])]
+        return {
+            "prompt": to_chat_messages(messages),
+            "max_new_tokens": kwargs.pop("max_tokens", self.max_tokens),
+            "temperature": kwargs.pop("temperature", self.temperature),
+            "top_p": kwargs.pop("top_p", self.top_p),
+            "top_k": kwargs.pop("top_k", self.top_k),
+            "seed": kwargs.pop("seed", self.seed),
+            "stop": stops or None,
+            "reuse": kwargs.pop("reuse", self.reuse),
+        }
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        request = self._request(messages, stop, kwargs)
+        result = self.engine.generate(**request)
+        message = AIMessage(
+            content=result.text,
+            usage_metadata=_usage(result),
+            response_metadata=self._response_metadata(result),
+        )
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        request = self._request(messages, stop, kwargs)
+        for piece in self.engine.stream(**request):
+            if piece.result is None:
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
+            else:
+                chunk = ChatGenerationChunk(
+                    message=AIMessageChunk(
+                        content=piece.text,
+                        usage_metadata=_usage(piece.result),
+                        response_metadata=self._response_metadata(piece.result),
+                        chunk_position="last",
+                    )
+                )
+            if run_manager is not None and piece.text:
+                run_manager.on_llm_new_token(piece.text, chunk=chunk)
+            yield chunk
+
+    def _response_metadata(self, result: GenerationResult) -> dict[str, Any]:
+        u, t = result.usage, result.timings
+        return {
+            "model_name": self.model,
+            "model_provider": "kvboost",
+            "finish_reason": result.finish_reason,
+            "kvboost": {
+                "cached_tokens_by_tier": dict(u.cached_tokens_by_tier),
+                "approx_tokens": u.approx_tokens,
+                "recomputed_tokens": u.recomputed_tokens,
+                "stored_tokens": u.stored_tokens,
+                "ttft_s": t.ttft_s,
+                "total_s": t.total_s,
+                "reuse_note": result.reuse_note,
+            },
+        }
+
+
+def _usage(result: GenerationResult) -> UsageMetadata:
+    u = result.usage
+    return UsageMetadata(
+        input_tokens=u.prompt_tokens,
+        output_tokens=u.completion_tokens,
+        total_tokens=u.total_tokens,
+        input_token_details={"cache_read": u.cached_tokens, "cache_creation": u.stored_tokens},
+    )

@@ -1,0 +1,153 @@
+"""ChatKVBoost in LangChain chains: RAG reuse, pre-warming, async, streaming callbacks, stop, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+pytest.importorskip("langchain_core")
+
+from helpers import essay_paragraphs  # noqa: E402
+from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
+from langchain_core.documents import Document  # noqa: E402
+from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
+from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
+from langchain_core.retrievers import BaseRetriever  # noqa: E402
+from langchain_core.runnables import RunnableLambda, RunnablePassthrough  # noqa: E402
+
+from kvboost_rag import InvalidRequestError  # noqa: E402
+from langchain_kvboost import ChatKVBoost, prewarm_documents  # noqa: E402
+from langchain_kvboost.documents import format_documents  # noqa: E402
+
+pytestmark = pytest.mark.real_model
+
+PROMPT = ChatPromptTemplate.from_messages(
+    [
+        ("system", "Answer the question using only the context. Be brief."),
+        ("human", "Context:\n{context}\n\nQuestion: {question}"),
+    ]
+)
+
+
+class KeywordRetriever(BaseRetriever):
+    """Top-k documents by shared lowercase words: deterministic and offline."""
+
+    documents: list[Document]
+    k: int = 2
+
+    def _get_relevant_documents(self, query: str, *, run_manager=None) -> list[Document]:
+        words = set(query.lower().split())
+        scored = sorted(self.documents, key=lambda d: -len(words & set(d.page_content.lower().split())))
+        return scored[: self.k]
+
+
+@pytest.fixture(scope="module")
+def documents() -> list[Document]:
+    return [Document(page_content=p, metadata={"i": i}) for i, p in enumerate(essay_paragraphs(6, max_chars=900))]
+
+
+def llm(**kw) -> ChatKVBoost:
+    return ChatKVBoost(**({"model": "smollm2-135m-instruct", "dtype": "float32", "max_tokens": 16} | kw))
+
+
+def rag_chain(model: ChatKVBoost, retriever: BaseRetriever):
+    return (
+        {"context": retriever | RunnableLambda(format_documents), "question": RunnablePassthrough()}
+        | PROMPT
+        | model
+    )
+
+
+def test_rag_chain_reuses_shared_documents_and_matches_the_uncached_answer(documents):
+    # one fixed pair of documents for both questions, as a retriever would return for related questions
+    retriever = KeywordRetriever(documents=documents[:2], k=2)
+    chain = rag_chain(llm(), retriever)
+    first = chain.invoke("What does the author think about startups?")
+    second = chain.invoke("What is the main advice in these texts?")
+    assert second.usage_metadata["input_token_details"]["cache_read"] > 0
+    assert second.response_metadata["kvboost"]["cached_tokens_by_tier"].get("memory", 0) > 0
+    uncached = rag_chain(llm(reuse="off"), retriever).invoke("What is the main advice in these texts?")
+    assert uncached.usage_metadata["input_token_details"]["cache_read"] == 0
+    assert second.content == uncached.content
+    assert first.response_metadata["finish_reason"] in ("stop", "length")
+
+
+def test_prewarmed_first_document_is_read_from_the_store(documents, tmp_path):
+    model = llm(store_dir=str(tmp_path / "kv"))
+    report = prewarm_documents(model, documents[2:5], PROMPT, context_variable="context")
+    assert report.documents == 3 and report.skipped == 0
+    retriever = KeywordRetriever(documents=[documents[3], documents[0]], k=2)
+    answer = rag_chain(model, retriever).invoke("Which point is made first?")
+    doc_tokens = len(model.engine.canonicalizer.tokenize(documents[3].page_content))
+    assert answer.usage_metadata["input_token_details"]["cache_read"] >= doc_tokens
+    again = prewarm_documents(model, documents[2:5], PROMPT)
+    assert again.skipped == 3
+
+
+def test_prewarm_needs_the_context_variable(documents):
+    with pytest.raises(ValueError, match="no \\{ctx\\} variable"):
+        prewarm_documents(llm(), documents[:1], PROMPT, context_variable="ctx")
+
+
+def test_ainvoke_keeps_the_event_loop_responsive():
+    model = llm(max_tokens=24)
+    messages = [HumanMessage("Write a short poem about the sea.")]
+    model.invoke(messages)  # load the engine first
+
+    async def main() -> tuple[int, float]:
+        ticks = 0
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        task = asyncio.create_task(ticker())
+        t0 = time.perf_counter()
+        await model.ainvoke(messages, reuse="off")
+        elapsed = time.perf_counter() - t0
+        done.set()
+        await task
+        return ticks, elapsed
+
+    ticks, elapsed = asyncio.run(main())
+    assert elapsed > 0.05
+    assert ticks >= 0.3 * elapsed / 0.005, (ticks, elapsed)
+
+
+def test_stream_fires_one_callback_per_delta_and_marks_the_last_chunk():
+    class Tokens(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.tokens: list[str] = []
+
+        def on_llm_new_token(self, token: str, **kwargs) -> None:
+            self.tokens.append(token)
+
+    handler = Tokens()
+    chunks = list(llm().stream([HumanMessage("Count from one to five.")], config={"callbacks": [handler]}))
+    text = "".join(c.content for c in chunks)
+    assert "".join(handler.tokens) == text and len(handler.tokens) >= 2
+    assert chunks[-1].chunk_position == "last"
+    assert [c.usage_metadata is not None for c in chunks].count(True) == 1
+    assert chunks[-1].response_metadata["finish_reason"] in ("stop", "length")
+
+
+def test_stop_sequences_trim_the_answer():
+    messages = [HumanMessage("Count from one to ten.")]
+    free = llm(max_tokens=24).invoke(messages)
+    stop = next(s for s in ("\n", ",", ".", " ") if s in free.content[1:])
+    stopped = llm(max_tokens=24).invoke(messages, stop=[stop])
+    assert stopped.content == free.content[: free.content.index(stop, 1)]
+    assert stopped.response_metadata["finish_reason"] == "stop"
+
+
+def test_bad_messages_get_clear_errors():
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm().invoke([])
+    image = HumanMessage(content=[{"type": "image", "url": "http://x/y.png"}])
+    with pytest.raises(InvalidRequestError, match="text blocks only"):
+        llm().invoke([SystemMessage("hi"), image])
