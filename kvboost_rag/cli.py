@@ -28,6 +28,14 @@ def _default_store() -> str:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF id or local path")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--chunk-size", type=int, default=None, help="tokens per stored chunk (default: the engine's)")
+
+
+def _engine(args: argparse.Namespace, store_dir: str | None) -> Any:
+    from .engine import KVBoostEngine
+
+    overrides = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
+    return KVBoostEngine.from_pretrained(args.model, dtype=args.dtype, store_dir=store_dir, **overrides)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -129,8 +137,6 @@ def system_prefix(engine: Any, system: str) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .engine import KVBoostEngine
-
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.raw:
         prompt: Any = text
@@ -138,7 +144,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": text}
         ]
-    with KVBoostEngine.from_pretrained(args.model, dtype=args.dtype, store_dir=args.store) as engine:
+    with _engine(args, args.store) as engine:
         kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, stop=args.stop)
         if args.json:
             r = engine.generate(prompt, **kwargs)
@@ -157,12 +163,10 @@ def _generate(args: argparse.Namespace) -> int:
 def _prewarm(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .engine import KVBoostEngine
-
     documents = list(iter_documents(args.sources))
     if not documents:
         raise InvalidRequestError("no documents found in the given sources")
-    with KVBoostEngine.from_pretrained(args.model, dtype=args.dtype, store_dir=args.store) as engine:
+    with _engine(args, args.store) as engine:
         prefix = args.prefix if args.prefix is not None else (system_prefix(engine, args.system) if args.system else "")
         with tqdm(total=len(documents), unit="doc", disable=args.quiet, file=sys.stderr) as bar:
             tokens = [0]
@@ -218,7 +222,6 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .engine import KVBoostEngine
     from .maintenance import recompute_sample, scan
 
     disk = _open_disk(args.store)
@@ -229,7 +232,7 @@ def _verify(args: argparse.Namespace) -> int:
     print(f"checked {report.checked} entries: {len(report.corrupt)} corrupt (removed)")
     ok = report.ok
     if args.sample:
-        with KVBoostEngine.from_pretrained(args.model, dtype=args.dtype, store_dir=args.store) as engine:
+        with _engine(args, args.store) as engine:
             disk = engine.store.tiers[-1]
             sample = recompute_sample(engine, disk, args.sample)
         print(f"recomputed {sample.recomputed} entries: {len(sample.mismatched)} differ bitwise, "
@@ -239,9 +242,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from .engine import KVBoostEngine
-
-    with KVBoostEngine.from_pretrained(args.model, dtype=args.dtype, store_dir=args.store) as engine:
+    with _engine(args, args.store) as engine:
         dropped = engine.store.tiers[-1].drop_namespaces({engine.namespace})
     print(f"dropped {dropped} entries of other models, dtypes or tokenizers")
     return EXIT_OK

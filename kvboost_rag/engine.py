@@ -147,7 +147,9 @@ class KVBoostEngine:
         finder = self.registry.find if self.config.find_documents else None
         self.canonicalizer = Canonicalizer(tokenizer, find_documents=finder)
         self.eos_ids = self._eos_ids()
-        self._lock = threading.RLock()
+        # A plain Lock, not an RLock: a stream may be resumed from another thread (LangChain's
+        # astream pulls each item in an executor), and only a Lock can be released there.
+        self._lock = threading.Lock()
 
     def _open_store(self, store_dir: str | Path | None) -> KVStore:
         memory = MemoryStore(self.config.max_memory_bytes)

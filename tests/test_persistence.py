@@ -91,9 +91,9 @@ def run_main(capsys, *args: str) -> tuple[int, str, str]:
 def test_cli_stats_verify_gc_clear(model_dir, tmp_path, capsys):
     store = str(tmp_path / "store")
     model = ("--model", str(model_dir))
-    prompt = PREFIX + "\n\n".join(essay_paragraphs(2, max_chars=700)) + QUESTION  # several chunks
+    prompt = PREFIX + "\n\n".join(essay_paragraphs(2, max_chars=700)) + QUESTION
     assert run_main(capsys, "generate", "--raw", prompt, *model, "--dtype", "float32", "--store", store,
-                    "--max-new-tokens", "2", "--json")[0] == 0
+                    "--max-new-tokens", "2", "--json", "--chunk-size", "128")[0] == 0  # several chunks
     stats = json.loads(run_main(capsys, "stats", "--store", store, "--json")[1])
     assert stats["entries"] > 0 and stats["bytes"] > 0 and len(stats["namespaces"]) == 1
 
