@@ -105,6 +105,11 @@ class Assembler:
         )
 
     @property
+    def attention_kernel(self) -> str:
+        """Names the attention arithmetic of chunk steps (part of the store namespace)."""
+        return self._chunk_attention or str(getattr(self.model.config, "_attn_implementation", ""))
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 

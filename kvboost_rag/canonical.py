@@ -184,9 +184,14 @@ class Canonicalizer:
 
     # -- prompts ----------------------------------------------------------
 
-    def canonicalize(self, prompt: PromptInput, *, add_generation_prompt: bool = True) -> CanonicalPrompt:
-        """Segments and canonical ids of a string, a list of segments, or chat messages."""
-        segments = self.segments_of(prompt, add_generation_prompt=add_generation_prompt)
+    def canonicalize(
+        self, prompt: PromptInput, *, add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> CanonicalPrompt:
+        """Segments and canonical ids of a string, a list of segments, or chat messages.
+
+        ``template_kwargs`` go to the chat template (e.g. ``tools=[...]``).
+        """
+        segments = self.segments_of(prompt, add_generation_prompt=add_generation_prompt, **template_kwargs)
         if self.find_documents is not None:
             segments = [part for s in segments for part in self._split_documents(s)]
         segments = [s for s in segments if s.text]
@@ -211,7 +216,9 @@ class Canonicalizer:
         parts.append(Segment(segment.text[position:], segment.kind))
         return [p for p in parts if p.text]
 
-    def segments_of(self, prompt: PromptInput, *, add_generation_prompt: bool = True) -> list[Segment]:
+    def segments_of(
+        self, prompt: PromptInput, *, add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> list[Segment]:
         if isinstance(prompt, str):
             return [Segment(normalize_text(prompt), "text")]
         if isinstance(prompt, Segment):
@@ -223,7 +230,7 @@ class Canonicalizer:
             )
             raise InvalidRequestError(msg)
         if all(isinstance(p, Mapping) for p in prompt):
-            return self.render_messages(prompt, add_generation_prompt=add_generation_prompt)
+            return self.render_messages(prompt, add_generation_prompt=add_generation_prompt, **template_kwargs)
         out = []
         for i, part in enumerate(prompt):
             if isinstance(part, str):
@@ -258,7 +265,8 @@ class Canonicalizer:
         for i, message in enumerate(messages):
             if "role" not in message:
                 raise InvalidRequestError(f"message {i} has no 'role'; every message needs role and content")
-            blocks = [normalize_text(t) for t in _content_texts(message, i)]
+            # empty blocks get no marker: templates test `if message.content`
+            blocks = [b for b in (normalize_text(t) for t in _content_texts(message, i)) if b]
             markers = "".join(f"\x02{nonce}:{len(texts) + j}\x03" for j in range(len(blocks)))
             texts.extend(blocks)
             marked.append({**message, "content": markers})

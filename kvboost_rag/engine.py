@@ -138,7 +138,7 @@ class KVBoostEngine:
             tokenizer=tokenizer_fingerprint(tokenizer),
             dtype=str(next(model.parameters()).dtype),
             device=self.assembler.device.type,
-            attention=str(getattr(model.config, "_attn_implementation", "")),
+            attention=self.assembler.attention_kernel,
         )
         if store is not None and store_dir is not None:
             raise ValueError("pass either store or store_dir, not both")

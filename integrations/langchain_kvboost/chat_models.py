@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import BaseModel, ConfigDict, Field
 
+from langchain_kvboost import tools as hermes
 from langchain_kvboost.messages import to_chat_messages
 
 if TYPE_CHECKING:
@@ -112,10 +118,47 @@ class ChatKVBoost(BaseChatModel):
 
     # -- generation --------------------------------------------------------------------------
 
-    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> dict:
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type[BaseModel] | Callable | BaseTool],
+        *,
+        tool_choice: str | dict | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[Any, AIMessage]:
+        """Offer tools to the model; calls come back in ``AIMessage.tool_calls``.
+
+        ``tool_choice``: ``"auto"`` (default), ``"none"``, ``"any"``/``"required"`` (must call
+        one), or a tool name (must call that one; the reply is started for the model).
+        """
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        hermes.forced_prefix(tool_choice, formatted)  # validates a named tool_choice now
+        return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    def _prompt(self, messages: list[BaseMessage], tools: list[dict] | None, tool_choice: Any) -> tuple[Any, str]:
+        """The engine prompt, and the text the reply is started with (forced tool calls)."""
+        chat = to_chat_messages(messages)
+        if not tools or tool_choice == "none":
+            return chat, ""
+        from kvboost_rag import Segment
+
+        engine = self.engine
+        if hermes.template_renders_tools(engine.tokenizer):
+            segments = engine.canonicalizer.segments_of(chat, tools=tools)
+        else:
+            segments = engine.canonicalizer.segments_of(hermes.with_fallback_prompt(chat, tools))
+        prefix = hermes.forced_prefix(tool_choice, tools)
+        return (segments + [Segment(prefix, "text")] if prefix else segments), prefix
+
+    def _request(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[dict[str, Any], str, bool]:
+        """Engine arguments, the forced reply start, and whether tool calls are to be parsed."""
         stops = [*(self.stop or []), *(stop or []), *(kwargs.pop("stop", None) or [])]
-        return {
-            "prompt": to_chat_messages(messages),
+        tools = kwargs.pop("tools", None)
+        tool_choice = kwargs.pop("tool_choice", None)
+        prompt, prefix = self._prompt(messages, tools, tool_choice)
+        request = {
+            "prompt": prompt,
             "max_new_tokens": kwargs.pop("max_tokens", self.max_tokens),
             "temperature": kwargs.pop("temperature", self.temperature),
             "top_p": kwargs.pop("top_p", self.top_p),
@@ -124,6 +167,7 @@ class ChatKVBoost(BaseChatModel):
             "stop": stops or None,
             "reuse": kwargs.pop("reuse", self.reuse),
         }
+        return request, prefix, bool(tools) and tool_choice != "none"
 
     def _generate(
         self,
@@ -132,12 +176,15 @@ class ChatKVBoost(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        request = self._request(messages, stop, kwargs)
+        request, prefix, parse_tools = self._request(messages, stop, kwargs)
         result = self.engine.generate(**request)
+        content, calls, invalid = hermes.parse(prefix + result.text) if parse_tools else (result.text, [], [])
         message = AIMessage(
-            content=result.text,
+            content=content,
+            tool_calls=calls,
+            invalid_tool_calls=invalid,
             usage_metadata=_usage(result),
-            response_metadata=self._response_metadata(result),
+            response_metadata=self._response_metadata(result, bool(calls)),
         )
         return ChatResult(generations=[ChatGeneration(message=message)])
 
@@ -148,29 +195,41 @@ class ChatKVBoost(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        request = self._request(messages, stop, kwargs)
+        request, prefix, parse_tools = self._request(messages, stop, kwargs)
+        text, shown = prefix, 0  # with tools, content stops where a tool call starts
         for piece in self.engine.stream(**request):
-            if piece.result is None:
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
+            text += piece.text
+            if parse_tools:
+                safe = text[: hermes.content_safe_length(text)] if piece.result is None else hermes.parse(text)[0]
+                delta, shown = safe[shown:], max(shown, len(safe))
             else:
+                delta = piece.text
+            if piece.result is None:
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            else:
+                calls = hermes.parse(text)[1] if parse_tools else []
                 chunk = ChatGenerationChunk(
                     message=AIMessageChunk(
-                        content=piece.text,
+                        content=delta,
+                        tool_call_chunks=[
+                            tool_call_chunk(name=c["name"], args=json.dumps(c["args"]), id=c["id"], index=i)
+                            for i, c in enumerate(calls)
+                        ],
                         usage_metadata=_usage(piece.result),
-                        response_metadata=self._response_metadata(piece.result),
+                        response_metadata=self._response_metadata(piece.result, bool(calls)),
                         chunk_position="last",
                     )
                 )
-            if run_manager is not None and piece.text:
-                run_manager.on_llm_new_token(piece.text, chunk=chunk)
+            if run_manager is not None and delta:
+                run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
 
-    def _response_metadata(self, result: GenerationResult) -> dict[str, Any]:
+    def _response_metadata(self, result: GenerationResult, called_tools: bool = False) -> dict[str, Any]:
         u, t = result.usage, result.timings
         return {
             "model_name": self.model,
             "model_provider": "kvboost",
-            "finish_reason": result.finish_reason,
+            "finish_reason": "tool_calls" if called_tools else result.finish_reason,
             "kvboost": {
                 "cached_tokens_by_tier": dict(u.cached_tokens_by_tier),
                 "approx_tokens": u.approx_tokens,

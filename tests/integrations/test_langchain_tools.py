@@ -1,0 +1,109 @@
+"""Tool calling, structured output and a LangChain agent on Qwen2.5-Coder-0.5B (a tool-calling template)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("langchain_tests")
+
+from langchain_core.messages import AIMessage, HumanMessage  # noqa: E402
+from langchain_core.tools import tool  # noqa: E402
+from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
+from pydantic import BaseModel, Field  # noqa: E402
+
+from langchain_kvboost import ChatKVBoost  # noqa: E402
+from langchain_kvboost import tools as hermes  # noqa: E402
+
+pytestmark = pytest.mark.real_model
+QWEN = {"model": "qwen2.5-coder-0.5b-instruct", "dtype": "bfloat16", "max_tokens": 96}
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@tool
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers."""
+    return a * b
+
+
+class TestChatKVBoostToolCalling(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[ChatKVBoost]:
+        return ChatKVBoost
+
+    @property
+    def chat_model_params(self) -> dict:
+        return QWEN
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+
+def test_parse_hermes_tool_calls():
+    content, calls, invalid = hermes.parse('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
+    assert content == "Let me add." and calls[0]["name"] == "add" and calls[0]["args"] == {"a": 1} and not invalid
+    _, calls, invalid = hermes.parse('<tool_call>\n{"name": "add", "arguments": {"a": ')
+    assert not calls and invalid and invalid[0]["args"].startswith('{"name"')
+    assert hermes.parse("no tools here") == ("no tools here", [], [])
+
+
+def test_named_tool_choice_must_be_bound():
+    with pytest.raises(ValueError, match="not among the bound tools"):
+        ChatKVBoost(**QWEN).bind_tools([add], tool_choice="subtract")
+
+
+def test_forced_tool_call_and_structured_output():
+    llm = ChatKVBoost(**QWEN)
+    msg = llm.bind_tools([add, multiply], tool_choice="multiply").invoke("What is 6 times 7?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "multiply"
+    assert msg.tool_calls[0]["args"] == {"a": 6, "b": 7}
+    assert msg.response_metadata["finish_reason"] == "tool_calls"
+
+    class Person(BaseModel):
+        """A person mentioned in the text."""
+
+        name: str = Field(description="the person's first name")
+        age: int = Field(description="age in years")
+
+    person = llm.with_structured_output(Person).invoke("Anna is 31 years old.")
+    assert isinstance(person, Person) and person.name == "Anna" and person.age == 31
+
+
+def test_fallback_tool_prompt_on_a_template_without_tools():
+    """SmolLM2's template has no tools: the documented fallback system prompt carries them."""
+    llm = ChatKVBoost(model="smollm2-135m-instruct", dtype="float32", max_tokens=48)
+    msg = llm.bind_tools([add], tool_choice="add").invoke("Add 2 and 3.")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "add"
+
+
+def test_agent_loop_reuses_the_kv_of_earlier_steps():
+    from langchain.agents import create_agent
+
+    llm = ChatKVBoost(**QWEN)
+    agent = create_agent(llm, tools=[add, multiply], system_prompt="Use the tools for arithmetic. Be brief.")
+    state = agent.invoke({"messages": [HumanMessage("What is 12 plus 30? Use the add tool.")]})
+    replies = [m for m in state["messages"] if isinstance(m, AIMessage)]
+    assert len(replies) >= 2, "a tool call, then an answer"
+    assert any(c["name"] == "add" for c in replies[0].tool_calls)
+    assert "42" in replies[-1].content
+    for previous, current in zip(replies, replies[1:]):
+        read = current.usage_metadata["input_token_details"]["cache_read"]
+        # the system prompt, the tools and the earlier turns come from the store
+        assert read >= previous.usage_metadata["input_tokens"] // 2, (read, previous.usage_metadata)

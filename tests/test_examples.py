@@ -1,0 +1,33 @@
+"""The runnable examples run, offline, and print what they promise."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.real_model
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_quickstart_shows_cold_and_warm_with_identical_answers():
+    out = run("quickstart.py", "--context-chars", "1500")
+    assert "--- cold:" in out and "--- warm:" in out
+    assert "answers identical: True" in out
+
+
+def test_langchain_rag_example_reads_prewarmed_documents():
+    pytest.importorskip("langchain_core")
+    out = run("langchain_rag.py", "--documents", "6", "--max-tokens", "12")
+    assert "pre-warmed 6 documents" in out
+    reads = [int(line.split("cache_read ")[1].split()[0]) for line in out.splitlines() if "cache_read" in line]
+    assert len(reads) == 2 and all(r > 0 for r in reads)
