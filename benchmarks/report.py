@@ -55,7 +55,7 @@ def main() -> int:
         START,
         f"Measured on {m['cpu_count']} CPU cores ({m['processor']}), torch {m['torch']}, transformers "
         f"{m['transformers']}, SmolLM2-135M-Instruct; medians of {ttft['rows'][0]['reps']} repetitions, every "
-        "variant run side by side in each repetition (JSON with quartiles in `docs/benchmarks/`).",
+        "variant run side by side in each repetition; ratios are medians of per-repetition ratios (JSON with quartiles in `docs/benchmarks/`).",
         "",
         "Time to first token, memory tier (`python benchmarks/ttft.py`):",
         "",

