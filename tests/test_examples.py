@@ -31,3 +31,12 @@ def test_langchain_rag_example_reads_prewarmed_documents():
     assert "pre-warmed 6 documents" in out
     reads = [int(line.split("cache_read ")[1].split()[0]) for line in out.splitlines() if "cache_read" in line]
     assert len(reads) == 2 and all(r > 0 for r in reads)
+
+
+def test_langchain_agent_example_reuses_earlier_steps():
+    pytest.importorskip("langchain")
+    out = run("langchain_agent.py")
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    reads = [int(line.split("cache_read ")[1].split()[0]) for line in out.splitlines() if "cache_read" in line]
+    assert len(steps) >= 2 and "add(" in steps[0]
+    assert all(r > 0 for r in reads[1:])

@@ -42,6 +42,14 @@ class TestChatKVBoostIntegration(ChatModelIntegrationTests):
         return INTEGRATION_PARAMS
 
     @property
+    def has_tool_calling(self) -> bool:
+        return False  # a 135M model does not call tools reliably; the tool suites run on Qwen2.5 (test_langchain_tools)
+
+    @property
+    def has_structured_output(self) -> bool:
+        return False  # same: structured output goes through tool calls
+
+    @property
     def returns_usage_metadata(self) -> bool:
         return True
 

