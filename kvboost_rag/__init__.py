@@ -32,6 +32,7 @@ __all__ = [
     "Segment",
     "StoreError",
     "StreamChunk",
+    "UnsupportedModelError",
     "Timings",
     "Usage",
     "WarmReport",

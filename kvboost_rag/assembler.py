@@ -11,19 +11,14 @@ Layouts:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, NamedTuple
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from . import chunk_attention
-
-
-class KVLayout(NamedTuple):
-    num_layers: int
-    kv_heads: int
-    head_dim: int
 
 
 class _BufferedLayer(DynamicLayer):
@@ -97,7 +92,6 @@ class Assembler:
         params = inspect.signature(model.forward).parameters
         # transformers 5.x renamed ``past_key_values`` to ``cache``; accept either.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._layout: KVLayout | None = None
         # Over our own full-attention caches, SDPA models run chunk steps through the
         # mask-free chunk attention (same math, no [L, S] mask, causal work only).
         self._chunk_attention = (
@@ -169,16 +163,9 @@ class Assembler:
         finally:
             config._attn_implementation = previous
 
-    def layout(self, cache: Cache) -> KVLayout:
-        if self._layout is None:
-            k = cache.layers[0].keys
-            self._layout = KVLayout(len(cache.layers), k.shape[1], k.shape[3])
-        return self._layout
-
     @torch.inference_mode()
     def extract(self, cache: Cache, start: int, end: int) -> torch.Tensor:
         """KV of tokens ``start:end`` as ``[layers, 2, kv_heads, tokens, head_dim]`` (a copy)."""
-        self.layout(cache)
         return torch.stack(
             [torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in cache.layers]
         )
@@ -191,10 +178,6 @@ class Assembler:
             raise ValueError(msg)
         for layer_idx, layer in enumerate(cache.layers):
             layer.update(kv[layer_idx, 0].unsqueeze(0), kv[layer_idx, 1].unsqueeze(0))
-
-    @staticmethod
-    def seq_length(cache: Cache) -> int:
-        return cache.get_seq_length()
 
 
 class _BufferedCache(DynamicCache):

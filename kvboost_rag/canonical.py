@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from .errors import InvalidRequestError, UnsupportedModelError
 
@@ -44,7 +44,7 @@ class Segment:
 
 
 Message = Mapping[str, Any]
-PromptInput = Union[str, Sequence[Union[str, Segment]], Sequence[Message]]
+PromptInput = str | Sequence[str | Segment] | Sequence[Message]
 
 
 @dataclass(frozen=True)

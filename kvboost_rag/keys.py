@@ -57,7 +57,7 @@ def group_spans(prompt: CanonicalPrompt) -> list[tuple[int, int]]:
     """
     groups: list[tuple[int, int]] = []
     open_start: int | None = None  # start of opening glue waiting for its content
-    for segment, (start, end) in zip(prompt.segments, prompt.segment_spans):
+    for segment, (start, end) in zip(prompt.segments, prompt.segment_spans, strict=True):
         if start == end:
             continue
         if segment.kind == "closing" and groups and open_start is None:

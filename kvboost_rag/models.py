@@ -70,7 +70,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def _part_files(alias: str, spec: GGUFAlias) -> list[Path]:
     files = []
-    for package, part in zip(spec.packages, spec.parts):
+    for package, part in zip(spec.packages, spec.parts, strict=True):
         module = package.replace("-", "_")
         found = importlib.util.find_spec(module)  # locates the folder without importing the package
         if found is None or not found.submodule_search_locations:
