@@ -11,6 +11,7 @@ Layouts:
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -89,6 +90,9 @@ class Assembler:
         self.vocab_size = text.vocab_size
         self.context_window = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
         self.attention_window = _attention_window(model.config)
+        # Forward calls of concurrent requests take turns: the attention switch below is shared
+        # state, and two calls at once would only split the same cores.
+        self._forward_lock = threading.Lock()
         params = inspect.signature(model.forward).parameters
         # transformers 5.x renamed ``past_key_values`` to ``cache``; accept either.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -138,7 +142,7 @@ class Assembler:
         ids = torch.tensor([token_ids], dtype=torch.long, device=device)
         positions = torch.arange(start, start + len(token_ids), device=device).unsqueeze(0)
         kwargs = {"input_ids": ids, "position_ids": positions, "use_cache": True, self._cache_kwarg: cache}
-        with self._attention_for(cache):
+        with self._forward_lock, self._attention_for(cache):
             if not logits:
                 self.model.base_model(**kwargs)
                 return None
@@ -149,8 +153,8 @@ class Assembler:
     def _attention_for(self, cache: Cache) -> Iterator[None]:
         """Select the chunk attention for the duration of one forward over a buffered cache.
 
-        The switch is on the shared config, so it is held only inside the call; the
-        engine serializes its calls, and the model is left as it was.
+        The switch is on the shared config, so it is held only inside the call (under
+        the forward lock), and the model is left as it was.
         """
         if self._chunk_attention is None or not isinstance(cache, _BufferedCache):
             yield

@@ -147,9 +147,7 @@ class KVBoostEngine:
         finder = self.registry.find if self.config.find_documents else None
         self.canonicalizer = Canonicalizer(tokenizer, find_documents=finder)
         self.eos_ids = self._eos_ids()
-        # A plain Lock, not an RLock: a stream may be resumed from another thread (LangChain's
-        # astream pulls each item in an executor), and only a Lock can be released there.
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one prefill at a time (decode steps lock in the assembler)
 
     def _open_store(self, store_dir: str | Path | None) -> KVStore:
         memory = MemoryStore(self.config.max_memory_bytes)
@@ -350,6 +348,8 @@ class KVBoostEngine:
         if blocker is not None:
             logger.info("chunk reuse off for this request: %s", blocker)
         ids = canonical.token_ids
+        # The lock covers the prefill only: decoding yields to the caller, and a stream that is
+        # abandoned half-way must not keep other requests out (forward calls lock on their own).
         with self._lock:
             t_prefill = time.perf_counter()
             if blocker is None:
@@ -366,34 +366,34 @@ class KVBoostEngine:
                 reusable=blocker is None,
             )
             prefill_s = time.perf_counter() - t_prefill
-            usage = Usage(
-                prompt_tokens=n_prompt,
-                cached_tokens=sum(out.cached_by_tier.values()),
-                cached_tokens_by_tier=dict(out.cached_by_tier),
-                recomputed_tokens=out.recomputed_tokens,
-                stored_tokens=out.stored_tokens,
-            )
-            text = TextStream(self.tokenizer, params.stop)
-            ttft = None
-            finish: FinishReason = "length"
-            for token in decode(self.assembler, out.cache, out.logits, n_prompt, params, self.eos_ids, max_new):
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                delta = text.push(token)
-                if token in self.eos_ids or text.stopped:
-                    finish = "stop"
-                    break
-                if delta:
-                    yield StreamChunk(delta)
-            tail = text.finish()
-            usage.completion_tokens = len(text.ids)
-            result = GenerationResult(
-                text=text.text,
-                token_ids=list(text.ids),
-                finish_reason=finish,
-                usage=usage,
-                timings=Timings(ttft_s=ttft or 0.0, total_s=time.perf_counter() - t0, prefill_s=prefill_s),
-                first_logits=out.logits.clone() if return_logits else None,
-                reuse_note=blocker,
-            )
-            yield StreamChunk(tail, result)
+        usage = Usage(
+            prompt_tokens=n_prompt,
+            cached_tokens=sum(out.cached_by_tier.values()),
+            cached_tokens_by_tier=dict(out.cached_by_tier),
+            recomputed_tokens=out.recomputed_tokens,
+            stored_tokens=out.stored_tokens,
+        )
+        text = TextStream(self.tokenizer, params.stop)
+        ttft = None
+        finish: FinishReason = "length"
+        for token in decode(self.assembler, out.cache, out.logits, n_prompt, params, self.eos_ids, max_new):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            delta = text.push(token)
+            if token in self.eos_ids or text.stopped:
+                finish = "stop"
+                break
+            if delta:
+                yield StreamChunk(delta)
+        tail = text.finish()
+        usage.completion_tokens = len(text.ids)
+        result = GenerationResult(
+            text=text.text,
+            token_ids=list(text.ids),
+            finish_reason=finish,
+            usage=usage,
+            timings=Timings(ttft_s=ttft or 0.0, total_s=time.perf_counter() - t0, prefill_s=prefill_s),
+            first_logits=out.logits.clone() if return_logits else None,
+            reuse_note=blocker,
+        )
+        yield StreamChunk(tail, result)

@@ -183,3 +183,15 @@ def test_hybrid_gemma3_is_served_beyond_the_window():
 def test_tiny_model_config_matches_the_families_under_test():
     assert tiny_config("gpt2").model_type == "gpt2"
     assert tiny_config("mistral").sliding_window is None
+
+
+def test_a_stream_left_half_way_does_not_block_other_requests(engine):
+    stream = engine.stream(PROMPT, max_new_tokens=20)
+    next(stream)  # the generator stays alive, paused in its decode loop
+    done: list[int] = []
+    worker = threading.Thread(target=lambda: done.append(engine.generate(PROMPT, max_new_tokens=3).usage.prompt_tokens))
+    worker.start()
+    worker.join(timeout=60)
+    assert done, "a paused stream kept the engine locked"
+    rest = list(stream)  # and the paused stream still finishes correctly
+    assert rest[-1].result is not None
