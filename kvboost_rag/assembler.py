@@ -87,7 +87,6 @@ class Assembler:
         self.model = model
         self.config = model.config
         text = model.config.get_text_config(decoder=True)
-        self.vocab_size = text.vocab_size
         self.context_window = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
         self.attention_window = _attention_window(model.config)
         # Forward calls of concurrent requests take turns: the attention switch below is shared

@@ -11,6 +11,7 @@ content, each content block and each piece of template glue becomes a segment.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import unicodedata
@@ -120,6 +121,8 @@ class Canonicalizer:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._memo: dict[str, tuple[int, ...]] = {}
         self._memo_limit = cache_entries
+        self._nonce = uuid.uuid4().hex[:12]  # marker text for contents; per instance, never in user text
+        self._render_memo: dict[str, str] = {}
         self._bos_id = self._bos_to_prepend()
         self._anchor: tuple[str, int] | None = None
         self._anchor = self._find_anchor()
@@ -259,7 +262,7 @@ class Canonicalizer:
                 "pass a plain string or a segment list instead, or set tokenizer.chat_template"
             )
             raise UnsupportedModelError(msg)
-        nonce = uuid.uuid4().hex[:12]
+        nonce = self._nonce
         texts: list[str] = []
         marked, real = [], []
         for i, message in enumerate(messages):
@@ -271,7 +274,7 @@ class Canonicalizer:
             texts.extend(blocks)
             marked.append({**message, "content": markers})
             real.append({**message, "content": "".join(blocks)})
-        rendered = self._apply_template(marked, add_generation_prompt, template_kwargs)
+        rendered = self._render_marked(marked, add_generation_prompt, template_kwargs)
         expected = normalize_text(self._apply_template(real, add_generation_prompt, template_kwargs))
         ends = self._message_ends(marked, rendered, template_kwargs)
         segments: list[Segment] = []
@@ -309,12 +312,28 @@ class Canonicalizer:
         ends = []
         for k in range(1, len(marked) + 1):
             try:
-                prefix = self._apply_template(marked[:k], False, template_kwargs)
+                prefix = self._render_marked(marked[:k], False, template_kwargs)
             except InvalidRequestError:
                 continue  # some templates refuse a conversation that ends on this role
             if rendered.startswith(prefix):
                 ends.append(len(prefix))
         return ends
+
+    def _render_marked(self, marked: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+        """Render messages whose contents are markers, memoised.
+
+        Finding message ends renders every prefix of the conversation; marked messages
+        hold no text, so those renders repeat across turns and are cached rather than
+        redone (which would make each request quadratic in its message count).
+        """
+        key = json.dumps([marked, add_generation_prompt, kwargs], sort_keys=True, default=str)
+        rendered = self._render_memo.get(key)
+        if rendered is None:
+            rendered = self._apply_template(marked, add_generation_prompt, kwargs)
+            if len(self._render_memo) >= self._memo_limit:
+                self._render_memo.pop(next(iter(self._render_memo)))
+            self._render_memo[key] = rendered
+        return rendered
 
     def _apply_template(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
         try:

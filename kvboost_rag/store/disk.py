@@ -239,12 +239,6 @@ class DiskStore(KVStore):
         self._index.execute("DELETE FROM entries WHERE key = ?", (key,))
         return bool(self._cache.delete(key))
 
-    def namespaces(self) -> dict[str, tuple[int, int]]:
-        """``{namespace: (entries, bytes)}`` over the whole directory."""
-        self.flush()
-        rows = self._index.execute("SELECT namespace, COUNT(*), SUM(bytes) FROM entries GROUP BY namespace")
-        return {ns: (n, b) for ns, n, b in rows}
-
     def usage(self) -> dict[str, dict[str, int]]:
         """Per namespace: entries, bytes, reads (hits after the first store) and pinned entries."""
         self.flush()
@@ -252,6 +246,10 @@ class DiskStore(KVStore):
             "SELECT namespace, COUNT(*), SUM(bytes), SUM(hits) - COUNT(*), SUM(pinned) FROM entries GROUP BY namespace"
         )
         return {ns: {"entries": n, "bytes": b, "reads": r, "pinned": p} for ns, n, b, r, p in rows}
+
+    def namespaces(self) -> dict[str, tuple[int, int]]:
+        """``{namespace: (entries, bytes)}`` over the whole directory."""
+        return {ns: (u["entries"], u["bytes"]) for ns, u in self.usage().items()}
 
     def keys(self, namespace: str | None = None) -> Iterator[str]:
         """Keys of one namespace (default: this store's), or of all when ``namespace == "*"``."""
