@@ -42,12 +42,22 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def cpu_features() -> list[str]:
+    """The CPU's vector and matrix extensions that decide float32/bfloat16 speed (Linux)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return []
+    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+
+
 def machine() -> dict[str, Any]:
     import transformers
 
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_features": cpu_features(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),

@@ -28,7 +28,7 @@ def essay_context(max_chars: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--context-chars", type=int, default=6000)
     args = parser.parse_args(argv)
 

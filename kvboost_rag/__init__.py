@@ -7,7 +7,7 @@
 
 from .canonical import CanonicalPrompt, Segment, normalize_text
 from .config import EngineConfig
-from .engine import GenerationResult, KVBoostEngine, PrewarmReport, StreamChunk, Timings, Usage, WarmReport
+from .engine import GenerationResult, KVBoostEngine, PrewarmReport, Request, StreamChunk, Timings, Usage, WarmReport
 from .errors import (
     ContextWindowExceededError,
     InvalidRequestError,
@@ -29,6 +29,7 @@ __all__ = [
     "MissingModelPackageError",
     "ModelNotFoundError",
     "PrewarmReport",
+    "Request",
     "Segment",
     "StoreError",
     "StreamChunk",

@@ -4,7 +4,7 @@ Stored chunks are laid into a cache, new tokens are run through the model over
 that cache, and the KV of freshly computed chunks is cut back out.
 
 Layouts:
-- transformers cache layer: keys/values ``[batch=1, kv_heads, seq, head_dim]``
+- transformers cache layer: keys/values ``[batch, kv_heads, seq, head_dim]`` (batch 1 except in batches)
 - a stored chunk: ``[layers, 2, kv_heads, tokens, head_dim]``
 """
 
@@ -67,6 +67,14 @@ class _BufferedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
+    def set_buffers(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Adopt ``[rows, kv_heads, capacity, head_dim]`` buffers whose first ``length`` slots are filled."""
+        self.device = keys.device
+        self._k, self._v = keys, values
+        self.capacity, self.length = keys.shape[2], length
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self.is_initialized = True
+
 
 def _attention_window(config: Any) -> int | None:
     """Smallest sliding window of any layer, or None when every layer attends to all tokens."""
@@ -128,7 +136,7 @@ class Assembler:
         """An empty cache: buffered full-attention layers, or the model's own layers for plain generation."""
         if not reusable:
             return DynamicCache(config=self.config)
-        return _BufferedCache(self.config.get_text_config(decoder=True).num_hidden_layers, capacity)
+        return _BufferedCache(self._num_layers(), capacity)
 
     @torch.inference_mode()
     def forward(self, cache: Cache, token_ids: list[int], start: int, *, logits: bool = True) -> torch.Tensor | None:
@@ -147,6 +155,55 @@ class Assembler:
                 return None
             out = self.model(**kwargs, logits_to_keep=1)
         return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def forward_rows(
+        self, cache: Cache, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Run a padded batch over a batch cache; returns float32 logits ``[rows, vocab]`` of the last column.
+
+        ``token_ids``/``positions``: ``[rows, q]``; ``mask``: bool ``[rows, 1, q, kv]`` (True: attend),
+        which the model's own attention applies as given.
+        """
+        kwargs = {
+            "input_ids": token_ids,
+            "position_ids": positions,
+            "attention_mask": mask,
+            "use_cache": True,
+            self._cache_kwarg: cache,
+        }
+        with self._forward_lock:
+            out = self.model(**kwargs, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    @torch.inference_mode()
+    def batch_cache(self, prefixes: list[tuple[Cache | None, int]], capacity: int) -> Cache:
+        """A cache of ``len(prefixes)`` rows: row i holds the first ``n_i`` tokens of its prefix cache
+        from slot 0, zeros (to be masked) up to the longest prefix."""
+        cache = _BufferedCache(self._num_layers(), capacity)
+        width = max(n for _, n in prefixes)
+        source = next((c for c, n in prefixes if n), None)
+        if source is None:
+            return cache  # nothing to lay: the first forward initialises the buffers
+        for layer_idx, layer in enumerate(cache.layers):
+            ref = source.layers[layer_idx].keys  # [1, kv_heads, seq, head_dim]
+            keys = ref.new_zeros(len(prefixes), ref.shape[1], capacity, ref.shape[3])
+            values = keys.clone()
+            for row, (prefix, n) in enumerate(prefixes):
+                if n:
+                    keys[row, :, :n] = prefix.layers[layer_idx].keys[0, :, :n]
+                    values[row, :, :n] = prefix.layers[layer_idx].values[0, :, :n]
+            layer.set_buffers(keys, values, width)
+        return cache
+
+    @staticmethod
+    def keep_rows(cache: Cache, rows: torch.Tensor) -> None:
+        """Drop every row of a batch cache but ``rows`` (finished requests leave the batch)."""
+        for layer in cache.layers:
+            layer.set_buffers(layer._k.index_select(0, rows), layer._v.index_select(0, rows), layer.length)
+
+    def _num_layers(self) -> int:
+        return self.model.config.get_text_config(decoder=True).num_hidden_layers
 
     @contextmanager
     def _attention_for(self, cache: Cache) -> Iterator[None]:

@@ -48,6 +48,23 @@ Message = Mapping[str, Any]
 PromptInput = str | Sequence[str | Segment] | Sequence[Message]
 
 
+def segments_before(segments: Sequence[Segment], marker: str) -> list[Segment]:
+    """The segments that precede ``marker`` (cut inside the segment that holds it).
+
+    Framework adapters render their prompt template with a marker in place of the
+    context; what comes before it is the prefix that documents are pre-warmed after.
+
+    >>> segments_before([Segment("sys", "message"), Segment("Context: @@ Q", "message")], "@@")
+    [Segment(text='sys', kind='message'), Segment(text='Context: ', kind='message')]
+    """
+    for i, segment in enumerate(segments):
+        if marker in segment.text:
+            before = segment.text[: segment.text.index(marker)]
+            return [*segments[:i], Segment(before, segment.kind)] if before else list(segments[:i])
+    msg = "the rendered prompt lost the context placeholder; the chat template must keep message text verbatim"
+    raise InvalidRequestError(msg)
+
+
 @dataclass(frozen=True)
 class CanonicalPrompt:
     """Segments with their canonical token ids; ``decode(token_ids) == text``."""

@@ -27,7 +27,7 @@ def _default_store() -> str:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF id or local path")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--chunk-size", type=int, default=None, help="tokens per stored chunk (default: the engine's)")
 
 

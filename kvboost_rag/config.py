@@ -38,6 +38,14 @@ class EngineConfig(BaseModel):
     reuse: ReuseMode = "exact"
     """``exact``: reuse chunks under their prefix key (zero loss). ``off``: never read or write the store."""
 
+    max_batch_size: int = Field(default=32, ge=1, le=1024)
+    """Most concurrent :meth:`~kvboost_rag.KVBoostEngine.generate` calls served as one batch; 1 runs every
+    request alone (in a batch, float rounding may differ from a lone run; see ``generate_batch``)."""
+
+    batch_window_ms: float = Field(default=0.0, ge=0.0, le=10_000.0)
+    """How long a request waits for others to join its batch. 0: no wait; requests still batch
+    when they arrive while another batch runs. A lone request pays at most this much latency."""
+
     store_last_logits: bool = True
     """Keep the final-position logits with the last chunk of each prompt, so that a repeated
     prompt needs no forward pass at all before its first token."""

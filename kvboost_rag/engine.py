@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -15,13 +17,15 @@ import torch
 from .assembler import Assembler
 from .canonical import Canonicalizer, CanonicalPrompt, PromptInput, Segment, normalize_text
 from .config import EngineConfig, ReuseMode
-from .errors import ContextWindowExceededError, UnsupportedModelError
+from .batch import BatchRow, run_batch
+from .errors import ContextWindowExceededError, KVBoostError, UnsupportedModelError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .keys import Chunk, make_namespace, plan_chunks
 from .models import load_model
 from .runner import decode, prefill
 from .sampling import SamplingParams
 from .registry import DocumentRegistry
+from .scheduler import Pending, Scheduler
 from .store import DiskStore, KVStore, MemoryStore, TieredStore
 from .textstream import TextStream
 
@@ -72,12 +76,53 @@ class GenerationResult:
     reuse_note: str | None = None
     """Why chunk reuse was not used for this request, when it was not."""
 
+    def reuse_report(self) -> dict[str, Any]:
+        """Reuse and timing details as plain data, for framework response metadata."""
+        u, t = self.usage, self.timings
+        return {
+            "cached_tokens": u.cached_tokens,
+            "cached_tokens_by_tier": dict(u.cached_tokens_by_tier),
+            "approx_tokens": u.approx_tokens,
+            "recomputed_tokens": u.recomputed_tokens,
+            "stored_tokens": u.stored_tokens,
+            "ttft_s": t.ttft_s,
+            "total_s": t.total_s,
+            "reuse_note": self.reuse_note,
+        }
+
 
 class StreamChunk(NamedTuple):
     """One streaming step: a text delta; the last one also carries the full result."""
 
     text: str
     result: GenerationResult | None = None
+
+
+@dataclass
+class Request:
+    """One generation request, for :meth:`KVBoostEngine.generate_batch` and :meth:`KVBoostEngine.submit`.
+
+    The fields are the keyword arguments of :meth:`KVBoostEngine.generate`.
+    """
+
+    prompt: PromptInput
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    return_logits: bool = False
+    add_generation_prompt: bool = True
+    reuse: ReuseMode | None = None
+
+
+class _Prepared(NamedTuple):
+    request: Request
+    canonical: CanonicalPrompt
+    params: SamplingParams
+    mode: ReuseMode
+    submitted_at: float
 
 
 @dataclass
@@ -99,6 +144,9 @@ class PrewarmReport:
     """Prompt tokens (prefix + document) over all documents processed."""
     computed_tokens: int
     seconds: float
+    keys: list[str] = field(default_factory=list)
+    """Prefix key of each pre-warmed document's last chunk, in input order (empty documents have none).
+    The key names the exact ``prefix + document`` KV: ``engine.store.contains(key)`` tells whether it is stored."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -108,7 +156,8 @@ class PrewarmReport:
 class KVBoostEngine:
     """Generate with a HF causal LM, reusing the KV of repeated context chunk by chunk.
 
-    Safe to call from several threads (requests run one at a time).
+    Safe to call from several threads: concurrent :meth:`generate` calls are served in batches
+    (see :meth:`generate_batch`), streams one at a time.
 
     >>> engine = KVBoostEngine.from_pretrained("smollm2-135m-instruct")  # doctest: +SKIP
     >>> r = engine.generate([{"role": "user", "content": "Hi!"}], max_new_tokens=8)  # doctest: +SKIP
@@ -148,6 +197,8 @@ class KVBoostEngine:
         self.canonicalizer = Canonicalizer(tokenizer, find_documents=finder)
         self.eos_ids = self._eos_ids()
         self._lock = threading.Lock()  # one prefill at a time (decode steps lock in the assembler)
+        self._scheduler: Scheduler[Request] | None = None
+        self._scheduler_lock = threading.Lock()
 
     def _open_store(self, store_dir: str | Path | None) -> KVStore:
         memory = MemoryStore(self.config.max_memory_bytes)
@@ -162,7 +213,7 @@ class KVBoostEngine:
         name_or_path: str,
         *,
         store_dir: str | None = None,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype = "auto",
         device: str | None = None,
         config: EngineConfig | None = None,
         **config_overrides: Any,
@@ -192,23 +243,21 @@ class KVBoostEngine:
         add_generation_prompt: bool = True,
         reuse: ReuseMode | None = None,
     ) -> GenerationResult:
-        """Generate a completion. ``prompt``: a string, a list of strings/Segments, or chat messages."""
-        result = None
-        for chunk in self.stream(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            return_logits=return_logits,
-            add_generation_prompt=add_generation_prompt,
-            reuse=reuse,
-        ):
-            result = chunk.result
-        assert result is not None
-        return result
+        """Generate a completion. ``prompt``: a string, a list of strings/Segments, or chat messages.
+
+        Calls from several threads at once are served in batches (see :meth:`submit`).
+        """
+        request = Request(
+            prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, return_logits, add_generation_prompt, reuse
+        )
+        if self.config.max_batch_size == 1:
+            return self._solo(self._prepare(request, time.perf_counter()))
+        future = self.submit(request)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # interrupted while waiting: the row leaves its batch at the next token
+            raise
 
     def stream(
         self,
@@ -227,19 +276,68 @@ class KVBoostEngine:
         """Like :meth:`generate`, yielding text deltas; the last item carries the result.
 
         ``reuse`` overrides the engine's mode for this request (``"off"``: the uncached path).
+        Streams run one at a time, outside the batches.
+        """
+        request = Request(
+            prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, return_logits, add_generation_prompt, reuse
+        )
+        return self._run(self._prepare(request, time.perf_counter()))
+
+    def submit(self, request: Request) -> Future[GenerationResult]:
+        """Queue a request for the batching scheduler; returns a future of its result.
+
+        Requests queued within ``config.batch_window_ms`` of each other, or while a batch
+        runs, are served together. ``future.cancel()`` also stops a running request at
+        its next token; the other requests of its batch are unaffected.
+        """
+        with self._scheduler_lock:
+            if self._scheduler is None:
+                self._scheduler = Scheduler(
+                    self._serve_batch,
+                    window_s=self.config.batch_window_ms / 1000,
+                    max_batch_size=self.config.max_batch_size,
+                )
+        return self._scheduler.submit(request)
+
+    async def agenerate(self, prompt: PromptInput, **kwargs: Any) -> GenerationResult:
+        """:meth:`generate` for asyncio: served by the scheduler, so the event loop is never blocked.
+
+        Cancelling the awaiting task stops the request at its next token.
+        """
+        return await asyncio.wrap_future(self.submit(Request(prompt, **kwargs)))
+
+    def generate_batch(
+        self, requests: Sequence[Request | PromptInput], *, return_exceptions: bool = False, **defaults: Any
+    ) -> list[GenerationResult | Exception]:
+        """Generate for many requests at once; results come back in request order.
+
+        Items are :class:`Request` objects or bare prompts (which take ``defaults``, the keyword
+        arguments of :meth:`generate`). Shared prompt prefixes are computed once; the last
+        chunks and the decoding run as one batch, every request with its own sampling and
+        stopping. With ``return_exceptions=True`` a bad request yields its exception in
+        its slot and the others still run; otherwise the first bad request raises before
+        anything runs.
+
+        In exact mode each request's KV prefix is bit-exact; the batched last chunk and
+        decoding differ from a lone run only by float rounding (different matrix shapes),
+        and greedy tokens match a lone run on the test corpus (``tests/test_batch.py``).
         """
         t0 = time.perf_counter()
-        params = SamplingParams(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=SamplingParams.normalize_stop(stop),
-        )
-        canonical = self.canonicalize(prompt, add_generation_prompt=add_generation_prompt)
-        self._check_window(len(canonical), 1)
-        return self._run(canonical, params, return_logits, t0, reuse or self.config.reuse)
+        items = [r if isinstance(r, Request) else Request(r, **defaults) for r in requests]
+        results: list[GenerationResult | Exception | None] = [None] * len(items)
+        prepared: dict[int, _Prepared] = {}
+        for i, request in enumerate(items):
+            try:
+                prepared[i] = self._prepare(request, t0)
+            except KVBoostError as e:
+                if not return_exceptions:
+                    raise
+                results[i] = e
+        for i, outcome in zip(prepared, self._run_prepared(list(prepared.values())), strict=True):
+            if isinstance(outcome, BaseException) and not return_exceptions:
+                raise outcome
+            results[i] = outcome
+        return results  # type: ignore[return-value]
 
     def warm(self, prompt: PromptInput, *, add_generation_prompt: bool = False) -> WarmReport:
         """Prefill a prompt (a system prompt, shared context) into the store without generating."""
@@ -281,6 +379,7 @@ class KVBoostEngine:
                 chunks = self._chunks(canonical)
                 report.documents += 1
                 report.tokens += len(canonical)
+                report.keys.append(chunks[-1].key)
                 if all(self.store.contains(c.key) for c in chunks):
                     report.skipped += 1
                 else:
@@ -303,7 +402,11 @@ class KVBoostEngine:
         return out
 
     def close(self) -> None:
-        """Flush pending disk writes and release the store."""
+        """Finish queued requests, flush pending disk writes and release the store."""
+        with self._scheduler_lock:
+            scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None:
+            scheduler.close()
         self.store.close()
         self.registry.close()
 
@@ -337,12 +440,123 @@ class KVBoostEngine:
     def _chunks(self, canonical: CanonicalPrompt) -> list[Chunk]:
         return plan_chunks(canonical, self.config.chunk_size, self.namespace)
 
-    def _run(
-        self, canonical: CanonicalPrompt, params: SamplingParams, return_logits: bool, t0: float, mode: ReuseMode
-    ) -> Iterator[StreamChunk]:
+    def _prepare(self, request: Request, submitted_at: float) -> _Prepared:
+        """Validate and canonicalize a request (bad input raises here, before any work)."""
+        params = SamplingParams(
+            max_new_tokens=request.max_new_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            seed=request.seed,
+            stop=SamplingParams.normalize_stop(request.stop),
+        )
+        canonical = self.canonicalize(request.prompt, add_generation_prompt=request.add_generation_prompt)
+        self._check_window(len(canonical), 1)
+        return _Prepared(request, canonical, params, request.reuse or self.config.reuse, submitted_at)
+
+    def _max_new_tokens(self, prepared: _Prepared) -> int:
+        n_prompt = len(prepared.canonical)
+        window = self.assembler.context_window or (n_prompt + prepared.params.max_new_tokens)
+        return min(prepared.params.max_new_tokens, window - n_prompt)
+
+    def _solo(self, prepared: _Prepared) -> GenerationResult:
+        result = None
+        for chunk in self._run(prepared):
+            result = chunk.result
+        assert result is not None
+        return result
+
+    def _serve_batch(self, pending: Sequence[Pending[Request]]) -> list[GenerationResult | BaseException]:
+        """Scheduler callback: prepare each request, isolating bad input, then run them together."""
+        outcomes: list[GenerationResult | BaseException | None] = [None] * len(pending)
+        prepared: list[tuple[int, _Prepared]] = []
+        for i, p in enumerate(pending):
+            try:
+                prepared.append((i, self._prepare(p.request, p.submitted_at)))
+            except Exception as e:
+                outcomes[i] = e
+        cancels = [pending[i].future.cancel_requested for i, _ in prepared]
+        for (i, _), outcome in zip(prepared, self._run_prepared([p for _, p in prepared], cancels), strict=True):
+            outcomes[i] = outcome
+        return outcomes  # type: ignore[return-value]
+
+    def _run_prepared(
+        self, prepared: list[_Prepared], cancels: Sequence[threading.Event | None] | None = None
+    ) -> list[GenerationResult | BaseException]:
+        """Run prepared requests: alone when there is one (the exact solo path), else as a batch.
+
+        Requests that cannot reuse chunks (sliding-window models beyond the window) run alone.
+        """
+        cancels = list(cancels) if cancels is not None else [None] * len(prepared)
+        n_total = [len(p.canonical) + self._max_new_tokens(p) for p in prepared]
+        alone = [i for i, n in enumerate(n_total) if len(prepared) == 1 or self.assembler.exact_reuse_blocker(n)]
+        together = [i for i in range(len(prepared)) if i not in alone]
+        outcomes: list[GenerationResult | BaseException | None] = [None] * len(prepared)
+        for i in alone:
+            try:
+                outcomes[i] = self._solo(prepared[i])
+            except Exception as e:
+                outcomes[i] = e
+        if together:
+            try:
+                batch = self._batch([prepared[i] for i in together], [cancels[i] for i in together])
+            except Exception as e:  # e.g. out of memory: these requests fail, the others stand
+                batch = [e] * len(together)
+            for i, outcome in zip(together, batch, strict=True):
+                outcomes[i] = outcome
+        return outcomes  # type: ignore[return-value]
+
+    def _batch(
+        self, prepared: list[_Prepared], cancels: list[threading.Event | None]
+    ) -> list[GenerationResult | BaseException]:
+        t_prefill = time.perf_counter()
+        rows = []
+        with self._lock:
+            for p, cancel in zip(prepared, cancels, strict=True):
+                chunks = self._chunks(p.canonical)
+                store = self.store if p.mode == "exact" else None
+                prefix = None
+                if len(chunks) > 1:  # every chunk but the last, over the canonical schedule
+                    prefix = prefill(
+                        self.assembler, p.canonical.token_ids, chunks[:-1], store=store,
+                        capacity=chunks[-1].start, need_logits=False,
+                    )
+                rows.append(BatchRow(p.canonical.token_ids, prefix, chunks[-1].start, p.params,
+                                     self._max_new_tokens(p), cancel))
+        outputs = run_batch(self.assembler, self.tokenizer, rows, self.eos_ids, self._lock)
+        done = time.perf_counter()
+        results: list[GenerationResult | BaseException] = []
+        for p, row, out in zip(prepared, rows, outputs, strict=True):
+            if out.finish_reason == "cancelled":
+                results.append(CancelledError())
+                continue
+            cached = row.prefix.cached_by_tier if row.prefix else {}
+            usage = Usage(
+                prompt_tokens=len(p.canonical),
+                completion_tokens=len(out.token_ids),
+                cached_tokens=sum(cached.values()),
+                cached_tokens_by_tier=dict(cached),
+                recomputed_tokens=(row.prefix.recomputed_tokens if row.prefix else 0) + len(p.canonical) - row.prefix_tokens,
+                stored_tokens=row.prefix.stored_tokens if row.prefix else 0,
+            )
+            results.append(
+                GenerationResult(
+                    text=out.text,
+                    token_ids=out.token_ids,
+                    finish_reason=out.finish_reason,  # type: ignore[arg-type]
+                    usage=usage,
+                    timings=Timings(out.first_token_at - p.submitted_at, done - p.submitted_at,
+                                    out.first_token_at - t_prefill),
+                    first_logits=out.first_logits if p.request.return_logits else None,
+                )
+            )
+        return results
+
+    def _run(self, prepared: _Prepared) -> Iterator[StreamChunk]:
+        canonical, params, mode, t0 = prepared.canonical, prepared.params, prepared.mode, prepared.submitted_at
+        return_logits = prepared.request.return_logits
         n_prompt = len(canonical)
-        window = self.assembler.context_window or (n_prompt + params.max_new_tokens)
-        max_new = min(params.max_new_tokens, window - n_prompt)
+        max_new = self._max_new_tokens(prepared)
         blocker = self.assembler.exact_reuse_blocker(n_prompt + max_new)
         reuse = mode == "exact" and blocker is None
         if blocker is not None:

@@ -27,8 +27,8 @@ ATTENTION_COST_SPAN = 2048
 @dataclass
 class PrefillOutcome:
     cache: Cache
-    logits: torch.Tensor
-    """float32 ``[vocab]`` at the last prompt position."""
+    logits: torch.Tensor | None
+    """float32 ``[vocab]`` at the last prompt position (None when not asked for)."""
     cached_by_tier: Counter[str]
     recomputed_tokens: int
     stored_tokens: int
@@ -48,8 +48,13 @@ def prefill(
     capacity: int,
     store_last_logits: bool = True,
     reusable: bool = True,
+    need_logits: bool = True,
 ) -> PrefillOutcome:
-    """Fill a cache with ``token_ids`` over the canonical schedule ``chunks``."""
+    """Fill a cache with ``token_ids`` over the canonical schedule ``chunks``.
+
+    ``need_logits=False`` (a prefix that more tokens will follow) skips the LM head, and a
+    stored last chunk is used even when it kept no logits.
+    """
     cache = assembler.new_cache(capacity, reusable=reusable)
     cached: Counter[str] = Counter()
     recomputed = stored = 0
@@ -57,12 +62,12 @@ def prefill(
     last = len(chunks) - 1
     for i, chunk in enumerate(chunks):
         hit = store.get(chunk.key) if store is not None else None
-        if hit is not None and (i < last or hit.chunk.last_logits is not None):
+        if hit is not None and (i < last or not need_logits or hit.chunk.last_logits is not None):
             assembler.append(cache, hit.chunk.kv)
             cached[hit.tier] += chunk.num_tokens
             logits = hit.chunk.last_logits
             continue
-        logits = assembler.forward(cache, list(token_ids[chunk.start : chunk.end]), chunk.start, logits=i == last)
+        logits = assembler.forward(cache, list(token_ids[chunk.start : chunk.end]), chunk.start, logits=need_logits and i == last)
         recomputed += chunk.num_tokens
         if store is not None:
             keep_logits = store_last_logits and i == last and logits is not None
@@ -74,7 +79,7 @@ def prefill(
             )
             store.put(chunk.key, entry, cost=recompute_cost(chunk))
             stored += chunk.num_tokens
-    assert logits is not None  # chunks is never empty: the canonicalizer refuses empty prompts
+    assert logits is not None or not need_logits  # chunks is never empty: the canonicalizer refuses empty prompts
     return PrefillOutcome(cache, logits, cached, recomputed, stored)
 
 

@@ -154,3 +154,33 @@ def essay_paragraphs(n: int, min_chars: int = 300, max_chars: int = 1500) -> lis
                 if len(out) == n:
                     return out
     return out
+
+
+def run_while_ticking(make_coroutine, tick_s: float = 0.005):
+    """Run ``make_coroutine()`` beside a ticker task; returns (its result, ticks, seconds it took).
+
+    A call that blocks the event loop starves the ticker: about ``seconds / tick_s`` ticks
+    mean the loop stayed free.
+    """
+    import asyncio
+    import time
+
+    async def main():
+        ticks = 0
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await asyncio.sleep(tick_s)
+
+        task = asyncio.create_task(ticker())
+        t0 = time.perf_counter()
+        result = await make_coroutine()
+        elapsed = time.perf_counter() - t0
+        done.set()
+        await task
+        return result, ticks, elapsed
+
+    return asyncio.run(main())

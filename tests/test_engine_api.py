@@ -195,3 +195,15 @@ def test_a_stream_left_half_way_does_not_block_other_requests(engine):
     assert done, "a paused stream kept the engine locked"
     rest = list(stream)  # and the paused stream still finishes correctly
     assert rest[-1].result is not None
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_runs_it_natively(monkeypatch):
+    from kvboost_rag import models
+
+    monkeypatch.setattr(models, "_cpu_has_native_bfloat16", lambda: False)
+    assert models.parse_dtype("auto") == torch.float32
+    monkeypatch.setattr(models, "_cpu_has_native_bfloat16", lambda: True)
+    assert models.parse_dtype("auto") == torch.bfloat16
+    assert models.parse_dtype("float16") == torch.float16
+    with pytest.raises(ValueError, match="use auto or one of"):
+        models.parse_dtype("int8")

@@ -40,3 +40,12 @@ def test_langchain_agent_example_reuses_earlier_steps():
     reads = [int(line.split("cache_read ")[1].split()[0]) for line in out.splitlines() if "cache_read" in line]
     assert len(steps) >= 2 and "add(" in steps[0]
     assert all(r > 0 for r in reads[1:])
+
+
+def test_llamaindex_example_reads_prewarmed_nodes_with_unchanged_answers():
+    pytest.importorskip("llama_index.core")
+    out = run("llamaindex_query_engine.py", "--documents", "6", "--max-new-tokens", "12")
+    assert "indexed and pre-warmed" in out
+    reads = [int(line.split("cached_tokens ")[1].split()[0]) for line in out.splitlines() if "cached_tokens" in line]
+    assert len(reads) == 2 and all(r > 0 for r in reads)
+    assert out.count("same answer uncached: True") == 2

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
@@ -24,16 +24,12 @@ from langchain_kvboost.messages import to_chat_messages
 if TYPE_CHECKING:
     from kvboost_rag import GenerationResult, KVBoostEngine
 
-_ENGINES: dict[tuple, KVBoostEngine] = {}
-_ENGINES_LOCK = threading.Lock()
-
 
 def clear_engines() -> None:
     """Close and forget every engine the process-wide registry holds."""
-    with _ENGINES_LOCK:
-        for engine in _ENGINES.values():
-            engine.close()
-        _ENGINES.clear()
+    from kvboost_rag.shared import close_shared_engines
+
+    close_shared_engines()
 
 
 class ChatKVBoost(BaseChatModel):
@@ -62,8 +58,9 @@ class ChatKVBoost(BaseChatModel):
     """Alias (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``), HF model id or local path."""
     store_dir: str | None = None
     """KV store directory shared across processes and restarts; None keeps KV in memory only."""
-    dtype: str = "bfloat16"
-    """Weights and KV dtype: ``bfloat16``, ``float32`` or ``float16``."""
+    dtype: str = "auto"
+    """Weights and KV dtype: ``auto`` (bfloat16 where the hardware runs it natively, else float32),
+    ``bfloat16``, ``float32`` or ``float16``."""
     device: str | None = None
     """Torch device (``cpu``, ``cuda``); None keeps the loader's default."""
     temperature: float = 0.0
@@ -103,18 +100,9 @@ class ChatKVBoost(BaseChatModel):
     @property
     def engine(self) -> KVBoostEngine:
         """The shared engine (loaded on first use)."""
-        from kvboost_rag import EngineConfig, KVBoostEngine
+        from kvboost_rag.shared import EngineSpec, shared_engine
 
-        key = (self.model, self.dtype, self.device, self.store_dir, self.chunk_size)
-        with _ENGINES_LOCK:
-            engine = _ENGINES.get(key)
-            if engine is None:
-                config = EngineConfig(chunk_size=self.chunk_size)
-                engine = KVBoostEngine.from_pretrained(
-                    self.model, store_dir=self.store_dir, dtype=self.dtype, device=self.device, config=config
-                )
-                _ENGINES[key] = engine
-        return engine
+        return shared_engine(EngineSpec(self.model, self.dtype, self.device, self.store_dir, self.chunk_size))
 
     # -- generation --------------------------------------------------------------------------
 
@@ -178,7 +166,22 @@ class ChatKVBoost(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         request, prefix, tool_names = self._request(messages, stop, kwargs)
-        result = self.engine.generate(**request)
+        return self._chat_result(self.engine.generate(**request), prefix, tool_names)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        # Served by the engine's scheduler: concurrent calls share batches, the event loop stays
+        # free, and cancelling the task stops the request at its next token.
+        engine = await asyncio.to_thread(lambda: self.engine)  # the first use loads the model
+        request, prefix, tool_names = self._request(messages, stop, kwargs)
+        return self._chat_result(await engine.agenerate(**request), prefix, tool_names)
+
+    def _chat_result(self, result: GenerationResult, prefix: str, tool_names: set[str] | None) -> ChatResult:
         content, calls, invalid = hermes.parse(prefix + result.text, tool_names) if tool_names else (result.text, [], [])
         message = AIMessage(
             content=content,
@@ -229,20 +232,11 @@ class ChatKVBoost(BaseChatModel):
             yield chunk
 
     def _response_metadata(self, result: GenerationResult, called_tools: bool = False) -> dict[str, Any]:
-        u, t = result.usage, result.timings
         return {
             "model_name": self.model,
             "model_provider": "kvboost",
             "finish_reason": "tool_calls" if called_tools else result.finish_reason,
-            "kvboost": {
-                "cached_tokens_by_tier": dict(u.cached_tokens_by_tier),
-                "approx_tokens": u.approx_tokens,
-                "recomputed_tokens": u.recomputed_tokens,
-                "stored_tokens": u.stored_tokens,
-                "ttft_s": t.ttft_s,
-                "total_s": t.total_s,
-                "reuse_note": result.reuse_note,
-            },
+            "kvboost": result.reuse_report(),
         }
 
 

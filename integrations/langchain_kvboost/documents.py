@@ -50,7 +50,7 @@ def prewarm_documents(
     the marker are the prefix. A query whose context starts with one of these
     documents then reads its KV from the store. Returns the engine's ``PrewarmReport``.
     """
-    from kvboost_rag import Segment
+    from kvboost_rag.canonical import segments_before
     from langchain_kvboost.messages import to_chat_messages
 
     if context_variable not in prompt.input_variables:
@@ -59,9 +59,5 @@ def prewarm_documents(
     variables = {v: "" for v in prompt.input_variables} | other_variables | {context_variable: _MARKER}
     engine = llm.engine
     segments = engine.canonicalizer.segments_of(to_chat_messages(prompt.format_messages(**variables)))
-    for i, segment in enumerate(segments):
-        if _MARKER in segment.text:
-            before = segment.text[: segment.text.index(_MARKER)]
-            prefix = [*segments[:i], Segment(before, segment.kind)] if before else segments[:i]
-            return engine.prewarm([d.page_content for d in documents], prefix=prefix, pin=pin)
-    raise ValueError("the chat template dropped the context; check the prompt template")
+    prefix = segments_before(segments, _MARKER)
+    return engine.prewarm([d.page_content for d in documents], prefix=prefix, pin=pin)

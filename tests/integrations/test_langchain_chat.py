@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 pytest.importorskip("langchain_core")
 
-from helpers import essay_paragraphs  # noqa: E402
+from helpers import essay_paragraphs, run_while_ticking  # noqa: E402
 from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
@@ -96,25 +95,7 @@ def test_ainvoke_keeps_the_event_loop_responsive():
     messages = [HumanMessage("Write a short poem about the sea.")]
     model.invoke(messages)  # load the engine first
 
-    async def main() -> tuple[int, float]:
-        ticks = 0
-        done = asyncio.Event()
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while not done.is_set():
-                ticks += 1
-                await asyncio.sleep(0.005)
-
-        task = asyncio.create_task(ticker())
-        t0 = time.perf_counter()
-        await model.ainvoke(messages, reuse="off")
-        elapsed = time.perf_counter() - t0
-        done.set()
-        await task
-        return ticks, elapsed
-
-    ticks, elapsed = asyncio.run(main())
+    _, ticks, elapsed = run_while_ticking(lambda: model.ainvoke(messages, reuse="off"))
     assert elapsed > 0.05
     assert ticks >= 0.3 * elapsed / 0.005, (ticks, elapsed)
 
@@ -151,3 +132,20 @@ def test_bad_messages_get_clear_errors():
     image = HumanMessage(content=[{"type": "image", "url": "http://x/y.png"}])
     with pytest.raises(InvalidRequestError, match="text blocks only"):
         llm().invoke([SystemMessage("hi"), image])
+
+
+def test_batch_and_abatch_are_served_in_shared_batches(monkeypatch):
+    from kvboost_rag import engine as engine_module
+
+    sizes = []
+    real = engine_module.run_batch
+    monkeypatch.setattr(engine_module, "run_batch", lambda a, t, rows, *rest: sizes.append(len(rows)) or real(a, t, rows, *rest))
+    model = llm(max_tokens=8)
+    questions = [[HumanMessage(f"Name a {thing}.")] for thing in ("color", "fruit", "city", "planet")]
+    alone = [model.invoke(q).content for q in questions]
+    assert sizes == []
+    assert [m.content for m in model.batch(questions)] == alone
+    assert max(sizes) > 1
+    sizes.clear()
+    assert [m.content for m in asyncio.run(model.abatch(questions))] == alone
+    assert max(sizes) > 1

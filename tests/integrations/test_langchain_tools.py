@@ -15,7 +15,7 @@ from langchain_kvboost import ChatKVBoost  # noqa: E402
 from langchain_kvboost import tools as hermes  # noqa: E402
 
 pytestmark = pytest.mark.real_model
-QWEN = {"model": "qwen2.5-coder-0.5b-instruct", "dtype": "bfloat16", "max_tokens": 160}
+QWEN = {"model": "qwen2.5-coder-0.5b-instruct", "dtype": "float32", "max_tokens": 72}
 
 
 @tool

@@ -1,0 +1,271 @@
+"""KVBoost: a LlamaIndex LLM backed by a local kvboost-rag engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.llm import LLM
+from pydantic import Field
+
+from llama_index.llms.kvboost.messages import to_chat_messages
+
+if TYPE_CHECKING:
+    from kvboost_rag import GenerationResult, KVBoostEngine, StreamChunk
+
+logger = logging.getLogger(__name__)
+
+# Per-call options a caller may pass as keyword arguments, and the engine argument each sets.
+_CALL_OPTIONS = {
+    "max_new_tokens": "max_new_tokens",
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "stop": "stop",
+    "reuse": "reuse",
+}
+
+T = TypeVar("T")
+
+
+class KVBoost(LLM):
+    """LlamaIndex LLM over a local HF causal LM that reuses the KV of repeated context.
+
+    Query engines resend the same system prompt and retrieved nodes; KVBoost reads
+    their KV from the store instead of recomputing it. Nodes pre-warmed at indexing
+    time with :class:`~llama_index.llms.kvboost.KVPrewarm` are found inside the
+    prompts the response synthesizers build. In ``reuse="exact"`` mode answers are
+    bitwise identical to the uncached path.
+
+    Every response carries OpenAI-style usage in ``raw["usage"]`` (so
+    ``TokenCountingHandler`` counts the model's own tokens) and the reuse details
+    in ``raw["kvboost"]``; :class:`~llama_index.llms.kvboost.KVBoostUsageHandler`
+    collects them per query.
+
+    Construction is cheap: the engine loads on first use and is shared by every
+    KVBoost (and LangChain ``ChatKVBoost``) with the same model, dtype, device,
+    store and chunk size.
+
+    Example:
+        .. code-block:: python
+
+            from llama_index.core.llms import ChatMessage
+            from llama_index.llms.kvboost import KVBoost
+
+            llm = KVBoost(model="smollm2-135m-instruct", store_dir="./kv", max_new_tokens=64)
+            response = llm.chat([ChatMessage(role="user", content="What is a KV cache?")])
+            response.raw["usage"]["prompt_tokens_details"]["cached_tokens"]
+    """
+
+    model: str = Field(
+        default="smollm2-135m-instruct",
+        description="Alias (smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct), HF model id or local path.",
+    )
+    store_dir: str | None = Field(
+        default=None, description="KV store directory shared across processes and restarts; None: memory only."
+    )
+    dtype: str = Field(
+        default="auto", description="Weights and KV dtype: auto (bfloat16 where native, else float32), bfloat16, float32."
+    )
+    device: str | None = Field(default=None, description="Torch device (cpu, cuda); None: the loader's default.")
+    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    max_new_tokens: int = Field(default=256, gt=0, description="Most tokens to generate per call.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(default=0, ge=0, description="Sample among the k most likely tokens; 0 disables.")
+    seed: int | None = Field(default=None, description="Seed for sampling; the same seed gives the same tokens.")
+    stop: list[str] | None = Field(default=None, description="Stop strings, trimmed from the output.")
+    reuse: Literal["exact", "off"] = Field(
+        default="exact", description="exact: reuse stored KV with zero loss; off: never read or write the store."
+    )
+    chunk_size: int = Field(default=1024, gt=0, description="Tokens per stored chunk (and prefill step).")
+    context_window: int | None = Field(
+        default=None, gt=0, description="Context window reported to LlamaIndex; None: the model's own."
+    )
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVBoost"
+
+    @property
+    def engine(self) -> KVBoostEngine:
+        """The shared engine (loaded on first use)."""
+        from kvboost_rag.shared import EngineSpec, shared_engine
+
+        return shared_engine(EngineSpec(self.model, self.dtype, self.device, self.store_dir, self.chunk_size))
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        window = self.context_window or self.engine.assembler.context_window or DEFAULT_CONTEXT_WINDOW
+        return LLMMetadata(
+            context_window=window,
+            num_output=self.max_new_tokens,
+            is_chat_model=True,
+            is_function_calling_model=False,
+            model_name=self.model,
+        )
+
+    # -- sync --------------------------------------------------------------------------------
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat(messages, kwargs)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return self._stream_chat(messages, kwargs)
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Complete ``prompt`` as a user turn of the chat template (``formatted=True``: the prompt is sent as is)."""
+        return self._complete(prompt, formatted, kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._stream_complete(prompt, formatted, kwargs)
+
+    # -- async: the engine's scheduler serves these (concurrent calls share batches, and a
+    #    cancelled task stops its request); streams advance in worker threads ------------------
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        engine = await self._aengine()
+        result = await engine.agenerate(**self._request(to_chat_messages(messages), kwargs))
+        return _chat_response(result)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        await self._aengine()
+        return _in_worker_thread(self._stream_chat(messages, kwargs))
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        engine = await self._aengine()
+        result = await engine.agenerate(**self._request(self._completion_prompt(prompt, formatted), kwargs))
+        return CompletionResponse(text=result.text, raw=_raw(result))
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        await self._aengine()
+        return _in_worker_thread(self._stream_complete(prompt, formatted, kwargs))
+
+    # -- internals ---------------------------------------------------------------------------
+
+    async def _aengine(self) -> KVBoostEngine:
+        return await asyncio.to_thread(lambda: self.engine)  # the first use loads the model
+
+    def _request(self, prompt: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        request: dict[str, Any] = {
+            "prompt": prompt,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": list(self.stop or []),
+            "reuse": self.reuse,
+        }
+        for name, value in kwargs.items():
+            target = _CALL_OPTIONS.get(name)
+            if target == "stop":
+                request["stop"] += [value] if isinstance(value, str) else list(value or [])
+            elif target is not None:
+                request[target] = value
+            else:  # frameworks pass provider options freely; say which ones have no effect here
+                logger.debug("KVBoost ignores the option %r", name)
+        request["stop"] = request["stop"] or None
+        return request
+
+    def _completion_prompt(self, prompt: str, formatted: bool) -> Any:
+        if formatted:
+            return prompt
+        messages = self._extend_messages([ChatMessage(role=MessageRole.USER, content=prompt)])
+        return to_chat_messages(messages)
+
+    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
+        return _chat_response(self.engine.generate(**self._request(to_chat_messages(messages), kwargs)))
+
+    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> Iterator[ChatResponse]:
+        request = self._request(to_chat_messages(messages), kwargs)  # bad input fails at the call
+        return (
+            ChatResponse(
+                message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+                delta=piece.text,
+                raw=None if piece.result is None else _raw(piece.result),
+            )
+            for text, piece in _accumulate(self.engine.stream(**request))
+        )
+
+    def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
+        result = self.engine.generate(**self._request(self._completion_prompt(prompt, formatted), kwargs))
+        return CompletionResponse(text=result.text, raw=_raw(result))
+
+    def _stream_complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> Iterator[CompletionResponse]:
+        request = self._request(self._completion_prompt(prompt, formatted), kwargs)
+        return (
+            CompletionResponse(
+                text=text, delta=piece.text, raw=None if piece.result is None else _raw(piece.result)
+            )
+            for text, piece in _accumulate(self.engine.stream(**request))
+        )
+
+
+def _accumulate(pieces: Iterator[StreamChunk]) -> Iterator[tuple[str, StreamChunk]]:
+    """Each streamed piece with the text so far."""
+    text = ""
+    for piece in pieces:
+        text += piece.text
+        yield text, piece
+
+
+_DONE = object()
+
+
+async def _in_worker_thread(items: Iterator[T]) -> AsyncIterator[T]:
+    """Iterate a blocking iterator in worker threads, one step at a time."""
+    try:
+        while (item := await asyncio.to_thread(next, items, _DONE)) is not _DONE:
+            yield item  # type: ignore[misc]
+    finally:
+        # A step still running in its thread (the caller was cancelled) cannot be closed now;
+        # the generator is then closed when it is collected.
+        with contextlib.suppress(ValueError):
+            items.close()  # type: ignore[attr-defined]
+
+
+def _chat_response(result: GenerationResult) -> ChatResponse:
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text), raw=_raw(result))
+
+
+def _raw(result: GenerationResult) -> dict[str, Any]:
+    """OpenAI-style usage (read by TokenCountingHandler) plus kvboost's reuse details."""
+    u = result.usage
+    return {
+        "usage": {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        },
+        "finish_reason": result.finish_reason,
+        "kvboost": result.reuse_report(),
+    }

@@ -1,0 +1,102 @@
+"""KVBoostUsageHandler: per-call KV reuse of the KVBoost LLM, collected through LlamaIndex callbacks."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from llama_index.core.callbacks.base_handler import BaseCallbackHandler
+from llama_index.core.callbacks.schema import CBEventType, EventPayload
+
+
+@dataclass(frozen=True)
+class LLMCallUsage:
+    """Tokens and reuse of one LLM call (a response synthesizer may make several per query)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    """Prompt tokens read exactly from the KV store."""
+    cached_tokens_by_tier: dict[str, int]
+    approx_tokens: int
+    recomputed_tokens: int
+    ttft_s: float
+    """From the call to the first generated token."""
+
+
+class KVBoostUsageHandler(BaseCallbackHandler):
+    """Collect the token usage and KV reuse of every KVBoost call, like ``TokenCountingHandler``.
+
+    Example:
+        .. code-block:: python
+
+            from llama_index.core import Settings
+            from llama_index.core.callbacks import CallbackManager
+            from llama_index.llms.kvboost import KVBoostUsageHandler
+
+            usage = KVBoostUsageHandler()
+            Settings.callback_manager = CallbackManager([usage])
+            query_engine.query("...")
+            usage.cached_tokens, usage.calls[-1].ttft_s
+            usage.reset()
+    """
+
+    def __init__(self) -> None:
+        super().__init__(event_starts_to_ignore=[], event_ends_to_ignore=[])
+        self._lock = threading.Lock()
+        self.calls: list[LLMCallUsage] = []
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(c.prompt_tokens for c in self.calls)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(c.cached_tokens for c in self.calls)
+
+    @property
+    def approx_tokens(self) -> int:
+        return sum(c.approx_tokens for c in self.calls)
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return sum(c.recomputed_tokens for c in self.calls)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls = []
+
+    def on_event_start(
+        self, event_type: CBEventType, payload: dict[str, Any] | None = None, event_id: str = "",
+        parent_id: str = "", **kwargs: Any,
+    ) -> str:
+        return event_id
+
+    def on_event_end(
+        self, event_type: CBEventType, payload: dict[str, Any] | None = None, event_id: str = "", **kwargs: Any
+    ) -> None:
+        if event_type != CBEventType.LLM or not payload:
+            return
+        response = payload.get(EventPayload.RESPONSE, payload.get(EventPayload.COMPLETION))
+        raw = getattr(response, "raw", None)
+        if not isinstance(raw, dict) or "kvboost" not in raw:
+            return  # another LLM's call
+        report, usage = raw["kvboost"], raw["usage"]
+        call = LLMCallUsage(
+            prompt_tokens=usage["prompt_tokens"],
+            completion_tokens=usage["completion_tokens"],
+            cached_tokens=report["cached_tokens"],
+            cached_tokens_by_tier=dict(report["cached_tokens_by_tier"]),
+            approx_tokens=report["approx_tokens"],
+            recomputed_tokens=report["recomputed_tokens"],
+            ttft_s=report["ttft_s"],
+        )
+        with self._lock:
+            self.calls.append(call)
+
+    def start_trace(self, trace_id: str | None = None) -> None:
+        return None
+
+    def end_trace(self, trace_id: str | None = None, trace_map: dict[str, list[str]] | None = None) -> None:
+        return None

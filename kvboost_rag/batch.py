@@ -1,0 +1,136 @@
+"""Batched generation: shared prefixes come from the store, last chunks and decoding run as one batch.
+
+Every request's prompt except its last chunk is prefilled over the canonical
+schedule, one request after another, through the store: a prefix that several
+requests share is computed by the first and read by the others, and everything
+stored keeps the exact bits of the unbatched path. The last chunks (typically
+the distinct questions) then run as one padded forward, and decoding advances
+all rows together, each with its own sampling and stopping; a finished row
+leaves the batch.
+
+Batch cache layout (slots; each row's positions are its own):
+
+    [ prefix (row i: P_i tokens, zeros to P) | suffix (row i: right-aligned, s_i tokens) | decoded ]
+      0 ............................... P      P ............................... P + S     P + S + t
+
+The pads are masked out, and a pad query attends to itself only so that its
+(unused) output stays finite.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .assembler import Assembler
+from .runner import PrefillOutcome
+from .sampling import SamplingParams, select_token
+from .textstream import TextStream
+
+
+@dataclass
+class BatchRow:
+    """One request as the batch runs it."""
+
+    token_ids: list[int]
+    """All canonical prompt ids."""
+    prefix: PrefillOutcome | None
+    """Cache of every chunk but the last (None: the prompt is one chunk)."""
+    prefix_tokens: int
+    params: SamplingParams
+    max_new_tokens: int
+    cancelled: threading.Event | None = None
+
+
+@dataclass
+class RowOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    """``stop``, ``length``, or ``cancelled``."""
+    first_logits: torch.Tensor
+    """float32 ``[vocab]`` of the first generated position."""
+    first_token_at: float
+    """``time.perf_counter()`` when the row's first token was chosen."""
+
+
+def run_batch(
+    assembler: Assembler,
+    tokenizer: object,
+    rows: Sequence[BatchRow],
+    eos_ids: frozenset[int],
+    prefill_lock: threading.Lock,
+) -> list[RowOutput]:
+    """Prefill the rows' last chunks as one batch over their prefixes, then decode all rows together.
+
+    ``prefill_lock`` is held for the batched prefill only, as for a lone request.
+    """
+    device = assembler.device
+    count = len(rows)
+    width = max(r.prefix_tokens for r in rows)  # P
+    suffixes = [r.token_ids[r.prefix_tokens :] for r in rows]
+    span = max(len(s) for s in suffixes)  # S
+    capacity = width + span + max(r.max_new_tokens for r in rows)
+    cache = assembler.batch_cache([(r.prefix.cache if r.prefix else None, r.prefix_tokens) for r in rows], capacity)
+
+    # valid[b, slot]: row b may attend to this slot (prefix and suffix pads are False)
+    valid = torch.zeros(count, width + span, dtype=torch.bool, device=device)
+    ids = torch.zeros(count, span, dtype=torch.long, device=device)
+    positions = torch.zeros(count, span, dtype=torch.long, device=device)
+    for b, (row, suffix) in enumerate(zip(rows, suffixes, strict=True)):
+        valid[b, : row.prefix_tokens] = True
+        pad = span - len(suffix)
+        valid[b, width + pad :] = True
+        ids[b, pad:] = torch.tensor(suffix, dtype=torch.long)
+        positions[b, pad:] = torch.arange(row.prefix_tokens, len(row.token_ids))
+    slots = torch.arange(width + span, device=device)
+    query_slots = slots[width:].unsqueeze(1)  # [S, 1]
+    causal = slots.unsqueeze(0) <= query_slots  # [S, P + S]
+    own = slots.unsqueeze(0) == query_slots
+    mask = (valid.unsqueeze(1) & causal) | own  # [rows, S, P + S]
+    with prefill_lock:
+        logits = assembler.forward_rows(cache, ids, positions, mask.unsqueeze(1))  # [rows, vocab]
+
+    first_logits = logits.clone()
+    streams = [TextStream(tokenizer, r.params.stop) for r in rows]
+    generators = [r.params.generator(logits.device) for r in rows]
+    outputs: list[RowOutput | None] = [None] * count
+    first_token_at = [0.0] * count
+    next_position = torch.tensor([len(r.token_ids) for r in rows], device=device)
+    active = list(range(count))  # request index of each live batch row
+    step = 0
+    while True:
+        chosen, keep = [], []
+        for b, i in enumerate(active):
+            row, stream = rows[i], streams[i]
+            if row.cancelled is not None and row.cancelled.is_set():
+                outputs[i] = RowOutput(stream.text, list(stream.ids), "cancelled", first_logits[i], first_token_at[i])
+                continue
+            token = select_token(logits[b], row.params, generators[i])
+            if step == 0:
+                first_token_at[i] = time.perf_counter()
+            stream.push(token)
+            if token in eos_ids or stream.stopped or step + 1 >= row.max_new_tokens:
+                stream.finish()
+                reason = "length" if token not in eos_ids and not stream.stopped else "stop"
+                outputs[i] = RowOutput(stream.text, list(stream.ids), reason, first_logits[i], first_token_at[i])
+                continue
+            chosen.append(token)
+            keep.append(b)
+        if not keep:
+            break
+        if len(keep) < len(active):
+            index = torch.tensor(keep, device=device)
+            assembler.keep_rows(cache, index)
+            valid, next_position = valid.index_select(0, index), next_position.index_select(0, index)
+            active = [active[b] for b in keep]
+        valid = torch.cat([valid, valid.new_ones(len(active), 1)], dim=1)
+        tokens = torch.tensor(chosen, device=device).unsqueeze(1)
+        logits = assembler.forward_rows(cache, tokens, next_position.unsqueeze(1), valid[:, None, None, :])
+        next_position += 1
+        step += 1
+    return [o for o in outputs if o is not None]
