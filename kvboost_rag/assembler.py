@@ -67,6 +67,13 @@ class _BufferedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
+    def truncate(self, length: int) -> None:
+        """Forget every slot from ``length`` on."""
+        if not self.is_initialized:
+            return
+        self.length = length
+        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
+
     def set_buffers(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """Adopt ``[rows, kv_heads, capacity, head_dim]`` buffers whose first ``length`` slots are filled."""
         self.device = keys.device
@@ -202,6 +209,46 @@ class Assembler:
         for layer in cache.layers:
             layer.set_buffers(layer._k.index_select(0, rows), layer._v.index_select(0, rows), layer.length)
 
+    @torch.inference_mode()
+    def probe(self, cache: Cache, token_ids: list[int], start: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[kv_heads, tokens, head_dim]`` that ``layer`` computes for ``token_ids`` at
+        positions ``start..`` over ``cache``, running only the layers up to it; ``cache`` is left as it was."""
+        lengths = [lay.get_seq_length() for lay in cache.layers]
+        target = cache.layers[layer]
+        captured: list[torch.Tensor] = []
+
+        def capture(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            captured.extend((key_states[0].clone(), value_states[0].clone()))
+            raise _ProbeDone
+
+        target.update = capture  # an instance attribute shadows the method for this call only
+        try:
+            self.forward(cache, token_ids, start, logits=False)
+        except _ProbeDone:
+            pass
+        finally:
+            del target.update
+            for lay, n in zip(cache.layers, lengths, strict=True):
+                lay.truncate(n)
+        if not captured:
+            msg = f"layer {layer} was never reached (the model has {len(cache.layers)} layers)"
+            raise ValueError(msg)
+        return captured[0], captured[1]
+
+    @torch.inference_mode()
+    def settle(self, cache: Cache, slots: torch.Tensor) -> None:
+        """Move the KV appended last (one entry per slot) into ``slots`` and drop the appended tail.
+
+        Selective recompute appends fresh KV for tokens whose stale KV sits earlier in the
+        cache; afterwards every slot again holds the token at that position.
+        """
+        for lay in cache.layers:
+            end = lay.get_seq_length()
+            base = end - len(slots)
+            lay._k[:, :, slots] = lay._k[:, :, base:end]
+            lay._v[:, :, slots] = lay._v[:, :, base:end]
+            lay.truncate(base)
+
     def _num_layers(self) -> int:
         return self.model.config.get_text_config(decoder=True).num_hidden_layers
 
@@ -238,6 +285,10 @@ class Assembler:
             raise ValueError(msg)
         for layer_idx, layer in enumerate(cache.layers):
             layer.update(kv[layer_idx, 0].unsqueeze(0), kv[layer_idx, 1].unsqueeze(0))
+
+
+class _ProbeDone(Exception):
+    """Stops a probe forward once the probed layer has computed its keys and values."""
 
 
 class _BufferedCache(DynamicCache):

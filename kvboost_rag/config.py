@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ReuseMode = Literal["exact", "off"]
+ReuseMode = Literal["exact", "blend", "off"]
 
 
 class EngineConfig(BaseModel):
@@ -36,7 +36,19 @@ class EngineConfig(BaseModel):
     """Split flat prompt text at registered (pre-warmed) documents so each is its own segment."""
 
     reuse: ReuseMode = "exact"
-    """``exact``: reuse chunks under their prefix key (zero loss). ``off``: never read or write the store."""
+    """``exact``: reuse chunks under their prefix key (zero loss). ``blend``: also reuse pre-warmed
+    documents wherever they appear (approximate, reported as ``usage.approx_tokens``; RoPE models
+    only). ``off``: never read or write the store."""
+
+    blend_recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0)
+    """Blend mode: share of reused document tokens recomputed, those whose KV deviates most."""
+
+    blend_boundary_tokens: int = Field(default=8, ge=0)
+    """Blend mode: leading tokens of each reused document that are always recomputed."""
+
+    blend_select_layer: int = Field(default=1, ge=0)
+    """Blend mode: the layer whose KV deviation picks the tokens to recompute; the layers
+    below it run over the new tokens to find out (the selection's cost)."""
 
     max_batch_size: int = Field(default=32, ge=1, le=1024)
     """Most concurrent :meth:`~kvboost_rag.KVBoostEngine.generate` calls served as one batch; 1 runs every

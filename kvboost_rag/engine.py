@@ -18,6 +18,7 @@ from .assembler import Assembler
 from .canonical import Canonicalizer, CanonicalPrompt, PromptInput, Segment, normalize_text
 from .config import EngineConfig, ReuseMode
 from .batch import BatchRow, run_batch
+from .blend import BlendSettings, blend_prefill, document_chunks, record_sources
 from .errors import ContextWindowExceededError, KVBoostError, UnsupportedModelError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .keys import Chunk, make_namespace, plan_chunks
@@ -25,6 +26,7 @@ from .models import load_model
 from .runner import decode, prefill
 from .sampling import SamplingParams
 from .registry import DocumentRegistry
+from .rope import RopeShifter
 from .scheduler import Pending, Scheduler
 from .store import DiskStore, KVStore, MemoryStore, TieredStore
 from .textstream import TextStream
@@ -61,6 +63,8 @@ class Timings:
     """From the call to the first generated token: tokenization, lookup, loading and prefill included."""
     total_s: float
     prefill_s: float
+    select_s: float = 0.0
+    """Blend mode: time spent choosing the reused tokens to recompute (part of ``prefill_s``)."""
 
 
 @dataclass
@@ -86,6 +90,7 @@ class GenerationResult:
             "recomputed_tokens": u.recomputed_tokens,
             "stored_tokens": u.stored_tokens,
             "ttft_s": t.ttft_s,
+            "blend_select_s": t.select_s,
             "total_s": t.total_s,
             "reuse_note": self.reuse_note,
         }
@@ -199,6 +204,9 @@ class KVBoostEngine:
         self._lock = threading.Lock()  # one prefill at a time (decode steps lock in the assembler)
         self._scheduler: Scheduler[Request] | None = None
         self._scheduler_lock = threading.Lock()
+        self._shifter: RopeShifter | None = None
+        if self.config.reuse == "blend":
+            self._blend_shifter()  # refuse an unsupported model now, not at the first request
 
     def _open_store(self, store_dir: str | Path | None) -> KVStore:
         memory = MemoryStore(self.config.max_memory_bytes)
@@ -385,6 +393,8 @@ class KVBoostEngine:
                 else:
                     out = prefill(self.assembler, canonical.token_ids, chunks, store=self.store, capacity=len(canonical))
                     report.computed_tokens += out.recomputed_tokens
+                # where blend reuse finds this document's chunks, whatever precedes it at query time
+                record_sources(self.registry, self.namespace, canonical.token_ids, chunks, document_chunks(canonical, chunks))
                 if pin:
                     for chunk in chunks:
                         self.store.pin(chunk.key)
@@ -428,6 +438,20 @@ class KVBoostEngine:
                 ids.update(int(v) for v in value)
         return frozenset(ids)
 
+    def _blend_settings(self) -> BlendSettings:
+        c = self.config
+        return BlendSettings(c.blend_recompute_ratio, c.blend_boundary_tokens, c.blend_select_layer)
+
+    def _blend_shifter(self) -> RopeShifter:
+        """The RoPE re-rotation of this model; raises UnsupportedModelError where blend cannot be exact."""
+        if self._shifter is None:
+            layers = self.assembler._num_layers()
+            if self.config.blend_select_layer >= layers:
+                msg = f"blend_select_layer={self.config.blend_select_layer}, but the model has {layers} layers; pick 0..{layers - 1}"
+                raise ValueError(msg)
+            self._shifter = RopeShifter(self.model)
+        return self._shifter
+
     def _check_window(self, prompt_tokens: int, new_tokens: int) -> None:
         window = self.assembler.context_window
         if window is not None and prompt_tokens + max(new_tokens, 1) > window:
@@ -450,9 +474,12 @@ class KVBoostEngine:
             seed=request.seed,
             stop=SamplingParams.normalize_stop(request.stop),
         )
+        mode = request.reuse or self.config.reuse
+        if mode == "blend":
+            self._blend_shifter()
         canonical = self.canonicalize(request.prompt, add_generation_prompt=request.add_generation_prompt)
         self._check_window(len(canonical), 1)
-        return _Prepared(request, canonical, params, request.reuse or self.config.reuse, submitted_at)
+        return _Prepared(request, canonical, params, mode, submitted_at)
 
     def _max_new_tokens(self, prepared: _Prepared) -> int:
         n_prompt = len(prepared.canonical)
@@ -485,11 +512,15 @@ class KVBoostEngine:
     ) -> list[GenerationResult | BaseException]:
         """Run prepared requests: alone when there is one (the exact solo path), else as a batch.
 
-        Requests that cannot reuse chunks (sliding-window models beyond the window) run alone.
+        Requests that cannot reuse chunks (sliding-window models beyond the window) and
+        blend requests run alone.
         """
         cancels = list(cancels) if cancels is not None else [None] * len(prepared)
         n_total = [len(p.canonical) + self._max_new_tokens(p) for p in prepared]
-        alone = [i for i, n in enumerate(n_total) if len(prepared) == 1 or self.assembler.exact_reuse_blocker(n)]
+        alone = [
+            i for i, (p, n) in enumerate(zip(prepared, n_total, strict=True))
+            if len(prepared) == 1 or p.mode == "blend" or self.assembler.exact_reuse_blocker(n)
+        ]
         together = [i for i in range(len(prepared)) if i not in alone]
         outcomes: list[GenerationResult | BaseException | None] = [None] * len(prepared)
         for i in alone:
@@ -558,7 +589,7 @@ class KVBoostEngine:
         n_prompt = len(canonical)
         max_new = self._max_new_tokens(prepared)
         blocker = self.assembler.exact_reuse_blocker(n_prompt + max_new)
-        reuse = mode == "exact" and blocker is None
+        reuse = mode != "off" and blocker is None
         if blocker is not None:
             logger.info("chunk reuse off for this request: %s", blocker)
         ids = canonical.token_ids
@@ -570,20 +601,28 @@ class KVBoostEngine:
                 chunks = self._chunks(canonical)
             else:  # plain generation: one forward over the whole prompt through the model's own cache
                 chunks = [Chunk(0, n_prompt, "")]
-            out = prefill(
-                self.assembler,
-                ids,
-                chunks,
-                store=self.store if reuse else None,
-                capacity=n_prompt + max_new,
-                store_last_logits=self.config.store_last_logits,
-                reusable=blocker is None,
-            )
+            if mode == "blend" and blocker is None:
+                out = blend_prefill(
+                    self.assembler, self._blend_shifter(), canonical, chunks,
+                    store=self.store, registry=self.registry, namespace=self.namespace,
+                    settings=self._blend_settings(), capacity=n_prompt + max_new,
+                )
+            else:
+                out = prefill(
+                    self.assembler,
+                    ids,
+                    chunks,
+                    store=self.store if reuse else None,
+                    capacity=n_prompt + max_new,
+                    store_last_logits=self.config.store_last_logits,
+                    reusable=blocker is None,
+                )
             prefill_s = time.perf_counter() - t_prefill
         usage = Usage(
             prompt_tokens=n_prompt,
             cached_tokens=sum(out.cached_by_tier.values()),
             cached_tokens_by_tier=dict(out.cached_by_tier),
+            approx_tokens=out.approx_tokens,
             recomputed_tokens=out.recomputed_tokens,
             stored_tokens=out.stored_tokens,
         )
@@ -606,7 +645,8 @@ class KVBoostEngine:
             token_ids=list(text.ids),
             finish_reason=finish,
             usage=usage,
-            timings=Timings(ttft_s=ttft or 0.0, total_s=time.perf_counter() - t0, prefill_s=prefill_s),
+            timings=Timings(ttft_s=ttft or 0.0, total_s=time.perf_counter() - t0, prefill_s=prefill_s,
+                            select_s=out.select_s),
             first_logits=out.logits.clone() if return_logits else None,
             reuse_note=blocker,
         )

@@ -10,6 +10,10 @@ indexed by its first :data:`ANCHOR_CHARS` characters; a prompt is scanned once,
 one dictionary probe per position, and every anchor hit is confirmed with a
 full comparison. Documents shorter than the anchor are not found in flat text
 (pass them as explicit segments instead).
+
+For blend reuse the registry also keeps *sources*: for the content key of each
+stored document chunk, the prefix key it is stored under and the position it
+was computed at, so a document can be found wherever it appears.
 """
 
 from __future__ import annotations
@@ -28,6 +32,13 @@ class Match(NamedTuple):
     end: int
 
 
+class Source(NamedTuple):
+    """Where the KV of a document chunk is stored, and the position its keys were rotated for."""
+
+    prefix_key: str
+    start: int
+
+
 class DocumentRegistry:
     """Registered document texts, in memory and (with ``path``) persisted in SQLite.
 
@@ -42,6 +53,7 @@ class DocumentRegistry:
 
     def __init__(self, path: str | Path | None = None) -> None:
         self._anchors: dict[str, list[str]] = {}
+        self._sources: dict[str, Source] = {}
         self._lock = threading.Lock()
         self._con: sqlite3.Connection | None = None
         self._seen_rowid = 0
@@ -49,6 +61,9 @@ class DocumentRegistry:
             self._con = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
             self._con.execute("PRAGMA journal_mode=WAL")
             self._con.execute("CREATE TABLE IF NOT EXISTS documents (text TEXT PRIMARY KEY)")
+            self._con.execute(
+                "CREATE TABLE IF NOT EXISTS sources (content_key TEXT PRIMARY KEY, prefix_key TEXT, start INTEGER)"
+            )
             self._refresh()
 
     def __len__(self) -> int:
@@ -70,6 +85,32 @@ class DocumentRegistry:
                 for t in new:
                     self._anchors.setdefault(t[:ANCHOR_CHARS], []).append(t)
         return len(new)
+
+    def add_sources(self, sources: dict[str, Source]) -> None:
+        """Record where document chunks are stored, by content key (the latest record wins)."""
+        if not sources:
+            return
+        with self._lock:
+            self._sources.update(sources)
+            if self._con is not None:
+                self._con.execute("BEGIN IMMEDIATE")
+                self._con.executemany(
+                    "INSERT OR REPLACE INTO sources (content_key, prefix_key, start) VALUES (?, ?, ?)",
+                    [(k, s.prefix_key, s.start) for k, s in sources.items()],
+                )
+                self._con.execute("COMMIT")
+
+    def source(self, content_key: str) -> Source | None:
+        """The stored location of a document chunk with this content key, if any process recorded one."""
+        with self._lock:
+            found = self._sources.get(content_key)
+            if found is None and self._con is not None:
+                row = self._con.execute(
+                    "SELECT prefix_key, start FROM sources WHERE content_key = ?", (content_key,)
+                ).fetchone()
+                if row is not None:
+                    found = self._sources[content_key] = Source(row[0], int(row[1]))
+            return found
 
     def find(self, text: str) -> list[Match]:
         """Non-overlapping registered documents in ``text``, leftmost first, longest at a position."""

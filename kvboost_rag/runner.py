@@ -32,6 +32,10 @@ class PrefillOutcome:
     cached_by_tier: Counter[str]
     recomputed_tokens: int
     stored_tokens: int
+    approx_tokens: int = 0
+    """Tokens whose KV was reused approximately (blend mode)."""
+    select_s: float = 0.0
+    """Seconds spent choosing which reused tokens to recompute (blend mode)."""
 
 
 def recompute_cost(chunk: Chunk) -> float:
@@ -67,20 +71,39 @@ def prefill(
             cached[hit.tier] += chunk.num_tokens
             logits = hit.chunk.last_logits
             continue
-        logits = assembler.forward(cache, list(token_ids[chunk.start : chunk.end]), chunk.start, logits=need_logits and i == last)
+        logits = compute_chunk(
+            assembler, cache, token_ids, chunks, i,
+            store=store, need_logits=need_logits and i == last, store_logits=store_last_logits and i == last,
+        )
         recomputed += chunk.num_tokens
-        if store is not None:
-            keep_logits = store_last_logits and i == last and logits is not None
-            entry = StoredChunk(
-                assembler.extract(cache, chunk.start, chunk.end),
-                logits.clone() if keep_logits else None,
-                token_ids=tuple(token_ids[chunk.start : chunk.end]),
-                parent_key=chunks[i - 1].key if i else None,
-            )
-            store.put(chunk.key, entry, cost=recompute_cost(chunk))
-            stored += chunk.num_tokens
+        stored += chunk.num_tokens if store is not None else 0
     assert logits is not None or not need_logits  # chunks is never empty: the canonicalizer refuses empty prompts
     return PrefillOutcome(cache, logits, cached, recomputed, stored)
+
+
+def compute_chunk(
+    assembler: Assembler,
+    cache: Cache,
+    token_ids: Sequence[int],
+    chunks: Sequence[Chunk],
+    i: int,
+    *,
+    store: KVStore | None,
+    need_logits: bool,
+    store_logits: bool,
+) -> torch.Tensor | None:
+    """Run chunk ``i`` over ``cache`` (which holds everything before it) and store its KV under its prefix key."""
+    chunk = chunks[i]
+    logits = assembler.forward(cache, list(token_ids[chunk.start : chunk.end]), chunk.start, logits=need_logits)
+    if store is not None:
+        entry = StoredChunk(
+            assembler.extract(cache, chunk.start, chunk.end),
+            logits.clone() if store_logits and logits is not None else None,
+            token_ids=tuple(token_ids[chunk.start : chunk.end]),
+            parent_key=chunks[i - 1].key if i else None,
+        )
+        store.put(chunk.key, entry, cost=recompute_cost(chunk))
+    return logits
 
 
 def decode(

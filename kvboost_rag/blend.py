@@ -1,0 +1,181 @@
+"""Blend reuse: pre-warmed documents at any position, with selective recompute (opt-in, approximate).
+
+Exact reuse serves a chunk only after the very prefix it was computed with, so
+in a RAG prompt it covers the first retrieved document at best. Blend reuse
+also serves a document chunk found under its *content key* (its tokens alone):
+
+1. the exact prefix is reused or computed as usual (and stored: it is exact);
+2. from the first chunk that is found only by content, each such chunk's
+   stored KV is laid into the cache with its keys re-rotated to the positions
+   it now occupies (:mod:`.rope`);
+3. tokens whose KV must be fresh are recomputed in one forward pass over that
+   cache: everything that is not a reused document (template glue, the
+   question), the first ``boundary_tokens`` of each reused document, and the
+   ``recompute_ratio`` of reused tokens whose KV deviates most, at
+   ``select_layer``, from what full attention over this prompt gives
+   (CacheBlend's selection). Each recomputed token attends to the reused KV of
+   the tokens before it and to the fresh KV of recomputed ones.
+
+Approximate KV is never stored: a prefix key always names exact KV.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .assembler import Assembler
+from .canonical import CanonicalPrompt
+from .keys import Chunk, content_key, group_spans
+from .registry import DocumentRegistry, Source
+from .rope import RopeShifter
+from .runner import PrefillOutcome, compute_chunk
+from .store.base import KVStore
+
+
+@dataclass(frozen=True)
+class BlendSettings:
+    recompute_ratio: float
+    """Share of reused document tokens recomputed, chosen by KV deviation at ``select_layer``."""
+    boundary_tokens: int
+    """Leading tokens of each reused document that are always recomputed."""
+    select_layer: int
+    """Layer whose KV deviation ranks the reused tokens (running the layers below it costs the selection)."""
+
+
+def document_chunks(prompt: CanonicalPrompt, chunks: Sequence[Chunk]) -> list[bool]:
+    """Per chunk: whether it holds tokens of a ``document`` segment."""
+    spans = [span for seg, span in zip(prompt.segments, prompt.segment_spans, strict=True) if seg.kind == "document"]
+    return [any(s < c.end and c.start < e for s, e in spans) for c in chunks]
+
+
+def record_sources(
+    registry: DocumentRegistry, namespace: str, token_ids: Sequence[int], chunks: Sequence[Chunk], flags: Sequence[bool]
+) -> None:
+    """Record the stored location of each document chunk (``flags``), so blend reuse can find it by content."""
+    registry.add_sources(
+        {
+            content_key(namespace, token_ids[c.start : c.end]): Source(c.key, c.start)
+            for c, is_doc in zip(chunks, flags, strict=True)
+            if is_doc
+        }
+    )
+
+
+def _reusable_kv(
+    chunk: Chunk, token_ids: Sequence[int], *, store: KVStore, registry: DocumentRegistry, namespace: str,
+    shifter: RopeShifter,
+) -> torch.Tensor | None:
+    """Stored KV of this chunk's tokens, re-rotated to the chunk's positions, or None."""
+    tokens = tuple(token_ids[chunk.start : chunk.end])
+    source = registry.source(content_key(namespace, tokens))
+    if source is None or not shifter.can_move(source.start + len(tokens), chunk.end):
+        return None
+    hit = store.get(source.prefix_key)
+    if hit is None or hit.chunk.token_ids != tokens:  # evicted, or overwritten by another document
+        return None
+    return shifter.move(hit.chunk.kv, source.start, chunk.start)
+
+
+def blend_prefill(
+    assembler: Assembler,
+    shifter: RopeShifter,
+    prompt: CanonicalPrompt,
+    chunks: Sequence[Chunk],
+    *,
+    store: KVStore,
+    registry: DocumentRegistry,
+    namespace: str,
+    settings: BlendSettings,
+    capacity: int,
+) -> PrefillOutcome:
+    """Fill a cache for ``prompt``: exact prefix, then reused documents with selective recompute."""
+    token_ids = prompt.token_ids
+    is_doc = document_chunks(prompt, chunks)
+    last = len(chunks) - 1
+    cache = assembler.new_cache(capacity + len(token_ids))  # room for the recomputed tokens' fresh KV
+    cached: Counter[str] = Counter()
+    recomputed = stored = 0
+    logits: torch.Tensor | None = None
+    lookup = dict(store=store, registry=registry, namespace=namespace, shifter=shifter)
+
+    # 1. The exact prefix: hits, and misses with no reusable document, computed and stored.
+    first_blend: int | None = None
+    reused: dict[int, torch.Tensor] = {}
+    for i, chunk in enumerate(chunks):
+        hit = store.get(chunk.key)
+        if hit is not None and (i < last or hit.chunk.last_logits is not None):
+            assembler.append(cache, hit.chunk.kv)
+            cached[hit.tier] += chunk.num_tokens
+            logits = hit.chunk.last_logits
+            continue
+        kv = _reusable_kv(chunk, token_ids, **lookup) if is_doc[i] and i < last else None
+        if kv is not None:
+            first_blend, reused[i] = i, kv
+            break
+        logits = compute_chunk(assembler, cache, token_ids, chunks, i, store=store, need_logits=i == last, store_logits=i == last)
+        recomputed += chunk.num_tokens
+        stored += chunk.num_tokens
+        if is_doc[i]:
+            record_sources(registry, namespace, token_ids, chunks[i : i + 1], [True])
+    if first_blend is None:
+        assert logits is not None
+        return PrefillOutcome(cache, logits, cached, recomputed, stored)
+
+    # 2. From the first reusable document on: reused KV (re-rotated) or a placeholder per chunk.
+    start, total = chunks[first_blend].start, len(token_ids)
+    for i in range(first_blend + 1, last):
+        if is_doc[i]:
+            kv = _reusable_kv(chunks[i], token_ids, **lookup)
+            if kv is not None:
+                reused[i] = kv
+    is_reused = torch.zeros(total, dtype=torch.bool)
+    for i in reused:
+        is_reused[chunks[i].start : chunks[i].end] = True
+    fresh = ~is_reused  # tokens to recompute
+    fresh[:start] = False
+    for group_start, _ in group_spans(prompt):
+        if is_reused[group_start]:  # a reused document begins here
+            fresh[group_start : group_start + settings.boundary_tokens] = True
+
+    # 3. Selection: where reused KV deviates most from full attention over this prompt.
+    t_select = time.perf_counter()
+    budget = math.ceil(settings.recompute_ratio * int(is_reused.sum()))
+    if budget:
+        true_k, true_v = assembler.probe(cache, token_ids[start:], start, settings.select_layer)  # [kv_heads, tokens, dim]
+        deviation = torch.full((total,), -1.0)
+        for i, kv_all in reused.items():
+            c = chunks[i]
+            kv = kv_all[settings.select_layer].float()  # [2, kv_heads, tokens, dim]
+            k_true = true_k[:, c.start - start : c.end - start].float()
+            v_true = true_v[:, c.start - start : c.end - start].float()
+            deviation[c.start : c.end] = (((kv[0] - k_true) ** 2).sum((0, 2)) + ((kv[1] - v_true) ** 2).sum((0, 2))).cpu()
+        deviation[fresh] = -1.0  # already recomputed
+        picked = deviation.topk(min(budget, int((deviation >= 0).sum()))).indices
+        fresh[picked] = True
+    select_s = time.perf_counter() - t_select
+
+    # 4. Lay the reused KV, then recompute the fresh tokens over it in one forward.
+    template = next(iter(reused.values()))
+    pieces = [reused.get(i, template.new_zeros(*template.shape[:3], chunks[i].num_tokens, template.shape[4]))
+              for i in range(first_blend, len(chunks))]
+    assembler.append(cache, torch.cat(pieces, dim=3))  # [layers, 2, kv_heads, total - start, dim]
+    positions = fresh.nonzero().squeeze(1)  # [q], ascending; always holds the last prompt token
+    n_fresh = len(positions)
+    slots = torch.arange(total)
+    # [q, total]: reused and exact KV strictly before the query; the stale KV of fresh tokens never
+    past = (slots[None, :] < positions[:, None]) & ~fresh[None, :]
+    # [q, q]: the fresh KV of recomputed tokens up to and including the query itself
+    own = positions[None, :] <= positions[:, None]
+    mask = torch.cat((past, own), dim=1)[None, None].to(assembler.device)  # [1, 1, q, total + q]
+    device_positions = positions.to(assembler.device)[None]
+    ids = torch.tensor(token_ids, device=assembler.device)[device_positions]
+    logits = assembler.forward_rows(cache, ids, device_positions, mask)[0]
+    assembler.settle(cache, device_positions[0])
+    approx = int((is_reused & ~fresh).sum())
+    return PrefillOutcome(cache, logits, cached, recomputed + n_fresh, stored, approx_tokens=approx, select_s=select_s)
