@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--reuse", default="exact", choices=["exact", "blend", "off"],
+                     help="exact: zero-loss reuse; blend: also reuse pre-warmed documents at new positions "
+                          "(approximate, reported); off: no cache")
+    gen.add_argument("--blend-ratio", type=float, default=None,
+                     help="blend mode: share of reused document tokens to recompute (default: 0.05)")
     gen.add_argument("--json", action="store_true", help="print the result with usage and timings as JSON")
 
     pre = sub.add_parser("prewarm", help="compute and store the KV of documents ahead of queries")
@@ -145,7 +150,10 @@ def _generate(args: argparse.Namespace) -> int:
             {"role": "user", "content": text}
         ]
     with _engine(args, args.store) as engine:
-        kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, stop=args.stop)
+        kwargs = dict(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, stop=args.stop,
+            reuse=args.reuse, blend_recompute_ratio=args.blend_ratio,
+        )
         if args.json:
             r = engine.generate(prompt, **kwargs)
             out = {"text": r.text, "finish_reason": r.finish_reason, "usage": vars(r.usage), "timings": vars(r.timings)}
@@ -155,7 +163,8 @@ def _generate(args: argparse.Namespace) -> int:
             print(chunk.text, end="", flush=True)
             if chunk.result is not None:
                 u, t = chunk.result.usage, chunk.result.timings
-                print(f"\n[{u.prompt_tokens} prompt tokens, {u.cached_tokens} reused, TTFT {t.ttft_s:.3f} s]",
+                approx = f", {u.approx_tokens} blended" if u.approx_tokens else ""
+                print(f"\n[{u.prompt_tokens} prompt tokens, {u.cached_tokens} reused{approx}, TTFT {t.ttft_s:.3f} s]",
                       file=sys.stderr)
     return EXIT_OK
 

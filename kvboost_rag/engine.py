@@ -19,7 +19,7 @@ from .canonical import Canonicalizer, CanonicalPrompt, PromptInput, Segment, nor
 from .config import EngineConfig, ReuseMode
 from .batch import BatchRow, run_batch
 from .blend import BlendSettings, blend_prefill, document_chunks, record_sources
-from .errors import ContextWindowExceededError, KVBoostError, UnsupportedModelError
+from .errors import ContextWindowExceededError, InvalidRequestError, KVBoostError, UnsupportedModelError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .keys import Chunk, make_namespace, plan_chunks
 from .models import load_model
@@ -120,6 +120,7 @@ class Request:
     return_logits: bool = False
     add_generation_prompt: bool = True
     reuse: ReuseMode | None = None
+    blend_recompute_ratio: float | None = None
 
 
 class _Prepared(NamedTuple):
@@ -250,13 +251,20 @@ class KVBoostEngine:
         return_logits: bool = False,
         add_generation_prompt: bool = True,
         reuse: ReuseMode | None = None,
+        blend_recompute_ratio: float | None = None,
     ) -> GenerationResult:
         """Generate a completion. ``prompt``: a string, a list of strings/Segments, or chat messages.
+
+        ``reuse`` overrides the engine's mode for this request: ``"off"`` runs the uncached path,
+        ``"blend"`` also reuses pre-warmed documents at new positions (approximate; counted in
+        ``usage.approx_tokens``), recomputing ``blend_recompute_ratio`` of them (default: the
+        engine's ``blend_recompute_ratio``).
 
         Calls from several threads at once are served in batches (see :meth:`submit`).
         """
         request = Request(
-            prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, return_logits, add_generation_prompt, reuse
+            prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, return_logits, add_generation_prompt, reuse,
+            blend_recompute_ratio,
         )
         if self.config.max_batch_size == 1:
             return self._solo(self._prepare(request, time.perf_counter()))
@@ -280,14 +288,15 @@ class KVBoostEngine:
         return_logits: bool = False,
         add_generation_prompt: bool = True,
         reuse: ReuseMode | None = None,
+        blend_recompute_ratio: float | None = None,
     ) -> Iterator[StreamChunk]:
         """Like :meth:`generate`, yielding text deltas; the last item carries the result.
 
-        ``reuse`` overrides the engine's mode for this request (``"off"``: the uncached path).
         Streams run one at a time, outside the batches.
         """
         request = Request(
-            prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, return_logits, add_generation_prompt, reuse
+            prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, return_logits, add_generation_prompt, reuse,
+            blend_recompute_ratio,
         )
         return self._run(self._prepare(request, time.perf_counter()))
 
@@ -438,9 +447,10 @@ class KVBoostEngine:
                 ids.update(int(v) for v in value)
         return frozenset(ids)
 
-    def _blend_settings(self) -> BlendSettings:
+    def _blend_settings(self, recompute_ratio: float | None) -> BlendSettings:
         c = self.config
-        return BlendSettings(c.blend_recompute_ratio, c.blend_boundary_tokens, c.blend_select_layer)
+        ratio = c.blend_recompute_ratio if recompute_ratio is None else recompute_ratio
+        return BlendSettings(ratio, c.blend_boundary_tokens, c.blend_select_layer)
 
     def _blend_shifter(self) -> RopeShifter:
         """The RoPE re-rotation of this model; raises UnsupportedModelError where blend cannot be exact."""
@@ -475,6 +485,11 @@ class KVBoostEngine:
             stop=SamplingParams.normalize_stop(request.stop),
         )
         mode = request.reuse or self.config.reuse
+        if mode not in ("exact", "blend", "off"):
+            raise InvalidRequestError(f"reuse={mode!r} is not a reuse mode; use 'exact', 'blend' or 'off'")
+        ratio = request.blend_recompute_ratio
+        if ratio is not None and not 0.0 <= ratio <= 1.0:
+            raise InvalidRequestError(f"blend_recompute_ratio={ratio} is outside 0..1; pass a share such as 0.05")
         if mode == "blend":
             self._blend_shifter()
         canonical = self.canonicalize(request.prompt, add_generation_prompt=request.add_generation_prompt)
@@ -605,7 +620,7 @@ class KVBoostEngine:
                 out = blend_prefill(
                     self.assembler, self._blend_shifter(), canonical, chunks,
                     store=self.store, registry=self.registry, namespace=self.namespace,
-                    settings=self._blend_settings(), capacity=n_prompt + max_new,
+                    settings=self._blend_settings(prepared.request.blend_recompute_ratio), capacity=n_prompt + max_new,
                 )
             else:
                 out = prefill(

@@ -87,7 +87,10 @@ class RopeShifter:
 
     @torch.inference_mode()
     def move(self, kv: torch.Tensor, old_start: int, new_start: int) -> torch.Tensor:
-        """A copy of ``kv`` with keys moved from positions ``old_start..`` to ``new_start..`` (values unchanged)."""
+        """``kv`` with keys moved from positions ``old_start..`` to ``new_start..`` (values unchanged).
+
+        Returns a new tensor, or ``kv`` itself when the positions are equal: never modify the result in place.
+        """
         if old_start == new_start:
             return kv
         tokens = kv.shape[3]

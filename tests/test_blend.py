@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import tiny_model, tiny_tokenizer
 
-from kvboost_rag import EngineConfig, KVBoostEngine, Request, Segment, UnsupportedModelError
+from kvboost_rag import EngineConfig, InvalidRequestError, KVBoostEngine, Request, Segment, UnsupportedModelError
 from kvboost_rag.blend import BlendSettings, blend_prefill
 
 DOCS = [f"Document {i}: the quick brown fox jumps over the lazy dog {i * 7}. " * 3 for i in range(4)]
@@ -124,3 +124,16 @@ def test_unsupported_models_are_refused_at_configuration_time():
         KVBoostEngine(dynamic, tiny_tokenizer(), config=EngineConfig(reuse="blend"))
     with pytest.raises(ValueError, match="blend_select_layer=5, but the model has 2 layers"):
         KVBoostEngine(tiny_model("llama"), tiny_tokenizer(), config=EngineConfig(reuse="blend", blend_select_layer=5))
+
+
+def test_recompute_ratio_per_request_and_bad_values():
+    engine = warmed(blend_recompute_ratio=0.0, blend_boundary_tokens=0)
+    shuffled = prompt([1, 3])
+    default = engine.generate(shuffled, max_new_tokens=2, reuse="blend")
+    full = engine.generate(shuffled, max_new_tokens=2, reuse="blend", blend_recompute_ratio=1.0)
+    assert default.usage.approx_tokens == len(engine.canonicalizer.tokenize(DOCS[3]))
+    assert full.usage.approx_tokens == 0
+    with pytest.raises(InvalidRequestError, match="blend_recompute_ratio=1.5 is outside 0..1"):
+        engine.generate(shuffled, reuse="blend", blend_recompute_ratio=1.5)
+    with pytest.raises(InvalidRequestError, match="reuse='fuzzy' is not a reuse mode"):
+        engine.generate(shuffled, reuse="fuzzy")  # type: ignore[arg-type]

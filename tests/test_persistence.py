@@ -60,6 +60,13 @@ def test_prewarm_in_one_process_then_documents_come_from_disk_in_another(model_d
                 "--prefix", PREFIX, "--quiet")
     assert "(3 already stored)" in again.stdout, "a second run resumes by skipping stored documents"
 
+    # Blend mode in a third process finds the later documents away from where they were pre-warmed.
+    blended = cli("generate", "--raw", PREFIX + docs[2] + "\n\n" + docs[0] + QUESTION, "--model", str(model_dir),
+                  "--dtype", "float32", "--store", str(store), "--reuse", "blend", "--max-new-tokens", "4", "--json")
+    assert blended.returncode == 0, blended.stderr
+    usage = json.loads(blended.stdout)["usage"]
+    assert usage["cached_tokens"] > 0 and usage["approx_tokens"] > 0
+
 
 def test_full_prompt_from_disk_in_a_fresh_process_is_bitwise_identical(model_dir, tmp_path):
     store = tmp_path / "store"

@@ -75,8 +75,12 @@ class ChatKVBoost(BaseChatModel):
     """Seed for sampling; the same seed gives the same tokens."""
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     """Stop strings, applied to the text and trimmed from it."""
-    reuse: Literal["exact", "off"] = "exact"
-    """``exact`` reuses stored KV with zero loss; ``off`` never reads or writes the store."""
+    reuse: Literal["exact", "blend", "off"] = "exact"
+    """``exact`` reuses stored KV with zero loss; ``blend`` also reuses pre-warmed documents at any
+    position (approximate, counted in ``response_metadata["kvboost"]["approx_tokens"]``);
+    ``off`` never reads or writes the store."""
+    blend_recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Blend mode: share of reused document tokens recomputed (None: the engine default, 0.05)."""
     chunk_size: int = 1024
     """Tokens per stored chunk (and prefill step)."""
 
@@ -154,6 +158,7 @@ class ChatKVBoost(BaseChatModel):
             "seed": kwargs.pop("seed", self.seed),
             "stop": stops or None,
             "reuse": kwargs.pop("reuse", self.reuse),
+            "blend_recompute_ratio": kwargs.pop("blend_recompute_ratio", self.blend_recompute_ratio),
         }
         names = {t["function"]["name"] for t in tools} if tools and tool_choice != "none" else None
         return request, prefix, names

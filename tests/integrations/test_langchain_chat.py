@@ -85,6 +85,19 @@ def test_prewarmed_first_document_is_read_from_the_store(documents, tmp_path):
     assert again.skipped == 3
 
 
+def test_blend_reuses_prewarmed_documents_in_any_order_and_labels_them(documents, tmp_path):
+    model = llm(store_dir=str(tmp_path / "kv"), reuse="blend")
+    prewarm_documents(model, documents[2:5], PROMPT, context_variable="context")
+    retriever = KeywordRetriever(documents=[documents[4], documents[2], documents[3]], k=3)
+    answer = rag_chain(model, retriever).invoke("Which point is made first?")
+    report = answer.response_metadata["kvboost"]
+    assert report["approx_tokens"] > 0  # documents found away from the position they were pre-warmed at
+    assert answer.usage_metadata["input_token_details"]["cache_read"] == report["cached_tokens"]
+    assert report["cached_tokens"] + report["approx_tokens"] + report["recomputed_tokens"] == answer.usage_metadata["input_tokens"]
+    exact = rag_chain(llm(store_dir=str(tmp_path / "kv")), retriever).invoke("Which point is made first?")
+    assert exact.response_metadata["kvboost"]["approx_tokens"] == 0
+
+
 def test_prewarm_needs_the_context_variable(documents):
     with pytest.raises(ValueError, match="no \\{ctx\\} variable"):
         prewarm_documents(llm(), documents[:1], PROMPT, context_variable="ctx")

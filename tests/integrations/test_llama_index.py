@@ -115,6 +115,19 @@ def test_streaming_and_aquery_give_the_same_answer(index, store_dir):
     assert tokens.prompt_llm_token_count == usage.prompt_tokens
 
 
+def test_blend_mode_reuses_every_prewarmed_node_and_says_so(index, store_dir):
+    model, usage, tokens = counted(store_dir=store_dir, reuse="blend", blend_recompute_ratio=0.1)
+    response = query_engine(index, model, similarity_top_k=3).query(QUESTION)
+    assert str(response)
+    [call] = usage.calls
+    node_tokens = sum(len(model.engine.canonicalizer.tokenize(n.node.get_content(MetadataMode.LLM))) for n in response.source_nodes)
+    assert call.approx_tokens > 0  # at least one node away from where it was pre-warmed
+    # every node is reused, exactly (the top one, or a prefix stored by an earlier query) or blended
+    assert call.cached_tokens + call.approx_tokens >= node_tokens
+    assert call.cached_tokens + call.approx_tokens + call.recomputed_tokens == call.prompt_tokens
+    assert tokens.prompt_llm_token_count == call.prompt_tokens
+
+
 @pytest.mark.parametrize("mode", ["compact", "refine", "tree_summarize", "simple_summarize"])
 def test_every_synthesizer_answers_and_reports_reuse(index, store_dir, mode):
     model, usage, _ = counted(store_dir=store_dir)

@@ -41,6 +41,7 @@ _CALL_OPTIONS = {
     "seed": "seed",
     "stop": "stop",
     "reuse": "reuse",
+    "blend_recompute_ratio": "blend_recompute_ratio",
 }
 
 T = TypeVar("T")
@@ -92,8 +93,16 @@ class KVBoost(LLM):
     top_k: int = Field(default=0, ge=0, description="Sample among the k most likely tokens; 0 disables.")
     seed: int | None = Field(default=None, description="Seed for sampling; the same seed gives the same tokens.")
     stop: list[str] | None = Field(default=None, description="Stop strings, trimmed from the output.")
-    reuse: Literal["exact", "off"] = Field(
-        default="exact", description="exact: reuse stored KV with zero loss; off: never read or write the store."
+    reuse: Literal["exact", "blend", "off"] = Field(
+        default="exact",
+        description=(
+            "exact: reuse stored KV with zero loss; blend: also reuse pre-warmed nodes at any position "
+            "(approximate, counted in raw['kvboost']['approx_tokens']); off: never read or write the store."
+        ),
+    )
+    blend_recompute_ratio: float | None = Field(
+        default=None, ge=0.0, le=1.0,
+        description="Blend mode: share of reused node tokens recomputed (None: the engine default, 0.05).",
     )
     chunk_size: int = Field(default=1024, gt=0, description="Tokens per stored chunk (and prefill step).")
     context_window: int | None = Field(
@@ -183,6 +192,7 @@ class KVBoost(LLM):
             "seed": self.seed,
             "stop": list(self.stop or []),
             "reuse": self.reuse,
+            "blend_recompute_ratio": self.blend_recompute_ratio,
         }
         for name, value in kwargs.items():
             target = _CALL_OPTIONS.get(name)
