@@ -163,14 +163,30 @@ class Assembler:
             out = self.model(**kwargs, logits_to_keep=1)
         return out.logits[0, -1].float()
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether batches can keep a prefix common to all rows once (see :meth:`shared_prefix`)."""
+        return self._chunk_attention is not None and chunk_attention.shared_prefix_available(self.device)
+
+    @staticmethod
+    def shared_prefix(cache: Cache, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The first ``tokens`` of a one-row cache, per layer ``(keys, values)`` ``[1, kv_heads, tokens, head_dim]``."""
+        return [(layer.keys[:, :, :tokens], layer.values[:, :, :tokens]) for layer in cache.layers]
+
     @torch.inference_mode()
     def forward_rows(
-        self, cache: Cache, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+        self,
+        cache: Cache,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        shared: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Run a padded batch over a batch cache; returns float32 logits ``[rows, vocab]`` of the last column.
 
-        ``token_ids``/``positions``: ``[rows, q]``; ``mask``: bool ``[rows, 1, q, kv]`` (True: attend),
-        which the model's own attention applies as given.
+        ``token_ids``/``positions``: ``[rows, q]``; ``mask``: bool ``[rows, 1, q, kv]`` (True: attend) over
+        the rows' own cache slots. ``shared``: a prefix (from :meth:`shared_prefix`) that every row
+        attends to before its own slots, kept once for all rows (requires :attr:`shares_prefixes`).
         """
         kwargs = {
             "input_ids": token_ids,
@@ -180,26 +196,30 @@ class Assembler:
             self._cache_kwarg: cache,
         }
         with self._forward_lock:
-            out = self.model(**kwargs, logits_to_keep=1)
+            if shared is None:
+                out = self.model(**kwargs, logits_to_keep=1)
+            else:
+                with chunk_attention.shared_prefix(shared), self._attention_switch(chunk_attention.SHARED_PREFIX_NAME):
+                    out = self.model(**kwargs, logits_to_keep=1)
         return out.logits[:, -1].float()
 
     @torch.inference_mode()
-    def batch_cache(self, prefixes: list[tuple[Cache | None, int]], capacity: int) -> Cache:
-        """A cache of ``len(prefixes)`` rows: row i holds the first ``n_i`` tokens of its prefix cache
-        from slot 0, zeros (to be masked) up to the longest prefix."""
+    def batch_cache(self, prefixes: list[tuple[Cache | None, int]], capacity: int, skip: int = 0) -> Cache:
+        """A cache of ``len(prefixes)`` rows: row i holds tokens ``skip:n_i`` of its prefix cache from
+        slot 0, zeros (to be masked) up to the longest prefix; ``skip`` tokens are shared and kept apart."""
         cache = _BufferedCache(self._num_layers(), capacity)
-        width = max(n for _, n in prefixes)
+        width = max(n for _, n in prefixes) - skip
         source = next((c for c, n in prefixes if n), None)
-        if source is None:
+        if source is None or width == 0:
             return cache  # nothing to lay: the first forward initialises the buffers
         for layer_idx, layer in enumerate(cache.layers):
             ref = source.layers[layer_idx].keys  # [1, kv_heads, seq, head_dim]
             keys = ref.new_zeros(len(prefixes), ref.shape[1], capacity, ref.shape[3])
             values = keys.clone()
             for row, (prefix, n) in enumerate(prefixes):
-                if n:
-                    keys[row, :, :n] = prefix.layers[layer_idx].keys[0, :, :n]
-                    values[row, :, :n] = prefix.layers[layer_idx].values[0, :, :n]
+                if n > skip:
+                    keys[row, :, : n - skip] = prefix.layers[layer_idx].keys[0, :, skip:n]
+                    values[row, :, : n - skip] = prefix.layers[layer_idx].values[0, :, skip:n]
             layer.set_buffers(keys, values, width)
         return cache
 
@@ -262,9 +282,14 @@ class Assembler:
         if self._chunk_attention is None or not isinstance(cache, _BufferedCache):
             yield
             return
+        with self._attention_switch(self._chunk_attention):
+            yield
+
+    @contextmanager
+    def _attention_switch(self, name: str) -> Iterator[None]:
         config = self.model.config
         previous = config._attn_implementation
-        config._attn_implementation = self._chunk_attention
+        config._attn_implementation = name
         try:
             yield
         finally:

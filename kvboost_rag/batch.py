@@ -13,6 +13,9 @@ Batch cache layout (slots; each row's positions are its own):
     [ prefix (row i: P_i tokens, zeros to P) | suffix (row i: right-aligned, s_i tokens) | decoded ]
       0 ............................... P      P ............................... P + S     P + S + t
 
+A prefix that every row shares (the same leading chunks) is kept once, outside
+these slots, and every row attends to it first (``chunk_attention.SHARED_PREFIX_NAME``).
+
 The pads are masked out, and a pad query attends to itself only so that its
 (unused) output stays finite.
 """
@@ -64,25 +67,31 @@ def run_batch(
     rows: Sequence[BatchRow],
     eos_ids: frozenset[int],
     prefill_lock: threading.Lock,
+    shared_tokens: int = 0,
 ) -> list[RowOutput]:
     """Prefill the rows' last chunks as one batch over their prefixes, then decode all rows together.
 
+    ``shared_tokens``: how many leading prompt tokens every row's prefix holds identically (whole
+    chunks with the same keys); where the assembler can, they are kept once for all rows.
     ``prefill_lock`` is held for the batched prefill only, as for a lone request.
     """
     device = assembler.device
     count = len(rows)
-    width = max(r.prefix_tokens for r in rows)  # P
+    skip = shared_tokens if count > 1 and assembler.shares_prefixes else 0
+    shared = assembler.shared_prefix(rows[0].prefix.cache, skip) if skip else None
+    width = max(r.prefix_tokens for r in rows) - skip  # P: each row's own prefix slots
     suffixes = [r.token_ids[r.prefix_tokens :] for r in rows]
     span = max(len(s) for s in suffixes)  # S
     capacity = width + span + max(r.max_new_tokens for r in rows)
-    cache = assembler.batch_cache([(r.prefix.cache if r.prefix else None, r.prefix_tokens) for r in rows], capacity)
+    prefixes = [(r.prefix.cache if r.prefix else None, r.prefix_tokens) for r in rows]
+    cache = assembler.batch_cache(prefixes, capacity, skip)
 
     # valid[b, slot]: row b may attend to this slot (prefix and suffix pads are False)
     valid = torch.zeros(count, width + span, dtype=torch.bool, device=device)
     ids = torch.zeros(count, span, dtype=torch.long, device=device)
     positions = torch.zeros(count, span, dtype=torch.long, device=device)
     for b, (row, suffix) in enumerate(zip(rows, suffixes, strict=True)):
-        valid[b, : row.prefix_tokens] = True
+        valid[b, : row.prefix_tokens - skip] = True
         pad = span - len(suffix)
         valid[b, width + pad :] = True
         ids[b, pad:] = torch.tensor(suffix, dtype=torch.long)
@@ -93,7 +102,7 @@ def run_batch(
     own = slots.unsqueeze(0) == query_slots
     mask = (valid.unsqueeze(1) & causal) | own  # [rows, S, P + S]
     with prefill_lock:
-        logits = assembler.forward_rows(cache, ids, positions, mask.unsqueeze(1))  # [rows, vocab]
+        logits = assembler.forward_rows(cache, ids, positions, mask.unsqueeze(1), shared)  # [rows, vocab]
 
     first_logits = logits.clone()
     streams = [TextStream(tokenizer, r.params.stop) for r in rows]
@@ -130,7 +139,7 @@ def run_batch(
             active = [active[b] for b in keep]
         valid = torch.cat([valid, valid.new_ones(len(active), 1)], dim=1)
         tokens = torch.tensor(chosen, device=device).unsqueeze(1)
-        logits = assembler.forward_rows(cache, tokens, next_position.unsqueeze(1), valid[:, None, None, :])
+        logits = assembler.forward_rows(cache, tokens, next_position.unsqueeze(1), valid[:, None, None, :], shared)
         next_position += 1
         step += 1
     return [o for o in outputs if o is not None]

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import Cache
 
 from .assembler import Assembler
 from .canonical import CanonicalPrompt
@@ -127,7 +128,8 @@ def blend_prefill(
         assert logits is not None
         return PrefillOutcome(cache, logits, cached, recomputed, stored)
 
-    # 2. From the first reusable document on: reused KV (re-rotated) or a placeholder per chunk.
+    # 2. From the first reusable document on: reused KV (re-rotated), and the tokens to recompute:
+    # everything else, the boundary of each reused document, and the most deviating reused tokens.
     start, total = chunks[first_blend].start, len(token_ids)
     for i in range(first_blend + 1, last):
         if is_doc[i]:
@@ -143,39 +145,53 @@ def blend_prefill(
         if is_reused[group_start]:  # a reused document begins here
             fresh[group_start : group_start + settings.boundary_tokens] = True
 
-    # 3. Selection: where reused KV deviates most from full attention over this prompt.
     t_select = time.perf_counter()
     budget = math.ceil(settings.recompute_ratio * int(is_reused.sum()))
     if budget:
-        true_k, true_v = assembler.probe(cache, token_ids[start:], start, settings.select_layer)  # [kv_heads, tokens, dim]
-        deviation = torch.full((total,), -1.0)
-        for i, kv_all in reused.items():
-            c = chunks[i]
-            kv = kv_all[settings.select_layer].float()  # [2, kv_heads, tokens, dim]
-            k_true = true_k[:, c.start - start : c.end - start].float()
-            v_true = true_v[:, c.start - start : c.end - start].float()
-            deviation[c.start : c.end] = (((kv[0] - k_true) ** 2).sum((0, 2)) + ((kv[1] - v_true) ** 2).sum((0, 2))).cpu()
-        deviation[fresh] = -1.0  # already recomputed
-        picked = deviation.topk(min(budget, int((deviation >= 0).sum()))).indices
-        fresh[picked] = True
+        _select_deviating(assembler, cache, token_ids, start, {chunks[i]: kv for i, kv in reused.items()}, fresh,
+                          budget, settings.select_layer)
     select_s = time.perf_counter() - t_select
 
-    # 4. Lay the reused KV, then recompute the fresh tokens over it in one forward.
+    # Lay the reused KV (placeholders elsewhere), then recompute the fresh tokens over it.
     template = next(iter(reused.values()))
     pieces = [reused.get(i, template.new_zeros(*template.shape[:3], chunks[i].num_tokens, template.shape[4]))
               for i in range(first_blend, len(chunks))]
     assembler.append(cache, torch.cat(pieces, dim=3))  # [layers, 2, kv_heads, total - start, dim]
-    positions = fresh.nonzero().squeeze(1)  # [q], ascending; always holds the last prompt token
-    n_fresh = len(positions)
-    slots = torch.arange(total)
-    # [q, total]: reused and exact KV strictly before the query; the stale KV of fresh tokens never
+    logits = _recompute(assembler, cache, token_ids, fresh)
+    approx = int((is_reused & ~fresh).sum())
+    n_fresh = int(fresh.sum())
+    return PrefillOutcome(cache, logits, cached, recomputed + n_fresh, stored, approx_tokens=approx, select_s=select_s)
+
+
+def _select_deviating(
+    assembler: Assembler, cache: Cache, token_ids: Sequence[int], start: int, reused: dict[Chunk, torch.Tensor],
+    fresh: torch.Tensor, budget: int, layer: int,
+) -> None:
+    """Mark for recompute (in ``fresh``) the ``budget`` reused tokens whose KV at ``layer`` deviates most
+    from what the layers below compute over this prompt (``cache`` holds the exact prefix up to ``start``)."""
+    true_k, true_v = assembler.probe(cache, token_ids[start:], start, layer)  # [kv_heads, tokens, dim]
+    deviation = torch.full((len(token_ids),), -1.0)
+    for c, kv_all in reused.items():
+        kv = kv_all[layer].float()  # [2, kv_heads, tokens, dim]
+        k_true = true_k[:, c.start - start : c.end - start].float()
+        v_true = true_v[:, c.start - start : c.end - start].float()
+        deviation[c.start : c.end] = (((kv[0] - k_true) ** 2).sum((0, 2)) + ((kv[1] - v_true) ** 2).sum((0, 2))).cpu()
+    deviation[fresh] = -1.0  # recomputed anyway
+    fresh[deviation.topk(min(budget, int((deviation >= 0).sum()))).indices] = True
+
+
+def _recompute(assembler: Assembler, cache: Cache, token_ids: Sequence[int], fresh: torch.Tensor) -> torch.Tensor:
+    """Run the ``fresh`` tokens over ``cache`` (which holds a slot per prompt token) in one forward, move
+    their new KV into their slots, and return the logits of the last one (the prompt's last token)."""
+    positions = fresh.nonzero().squeeze(1)  # [q], ascending
+    slots = torch.arange(len(token_ids))
+    # [q, slots]: reused and exact KV strictly before the query; the stale KV of fresh tokens never
     past = (slots[None, :] < positions[:, None]) & ~fresh[None, :]
-    # [q, q]: the fresh KV of recomputed tokens up to and including the query itself
+    # [q, q]: the new KV of fresh tokens up to and including the query itself
     own = positions[None, :] <= positions[:, None]
-    mask = torch.cat((past, own), dim=1)[None, None].to(assembler.device)  # [1, 1, q, total + q]
-    device_positions = positions.to(assembler.device)[None]
+    mask = torch.cat((past, own), dim=1)[None, None].to(assembler.device)  # [1, 1, q, slots + q]
+    device_positions = positions.to(assembler.device)[None]  # [1, q]
     ids = torch.tensor(token_ids, device=assembler.device)[device_positions]
     logits = assembler.forward_rows(cache, ids, device_positions, mask)[0]
     assembler.settle(cache, device_positions[0])
-    approx = int((is_reused & ~fresh).sum())
-    return PrefillOutcome(cache, logits, cached, recomputed + n_fresh, stored, approx_tokens=approx, select_s=select_s)
+    return logits

@@ -10,16 +10,25 @@ are merged exactly with their log-sum-exp weights.
 
 Registered with transformers' attention interfaces under :data:`ATTENTION_NAME`;
 the assembler selects it only for calls over its own full-attention caches.
+
+For batches whose rows share a prompt prefix, :data:`SHARED_PREFIX_NAME` keeps
+that prefix once instead of once per row: every query of every row attends to
+it in one call that reads it once (rows folded into the query axis), the rows'
+own keys are attended with their mask, and the two parts are merged the same way.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 ATTENTION_NAME = "kvboost_chunked_sdpa"
+SHARED_PREFIX_NAME = "kvboost_shared_prefix_sdpa"
 
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -42,11 +51,7 @@ def _merge_past_and_block(
     block_v = value[:, :, past:].repeat_interleave(groups, dim=1)
     out_block, lse_block = _flash_cpu(query, block_k, block_v, is_causal=True, scale=scale)
     # softmax over the union = weighted mean of the two partial softmaxes
-    top = torch.maximum(lse_past, lse_block)
-    w_past = torch.exp(lse_past - top).unsqueeze(-1)
-    w_block = torch.exp(lse_block - top).unsqueeze(-1)
-    merged = (out_past.float() * w_past + out_block.float() * w_block) / (w_past + w_block)
-    return merged.to(query.dtype)
+    return _merge(out_past, lse_past, out_block, lse_block).to(query.dtype)
 
 
 def chunked_causal_attention(
@@ -78,6 +83,63 @@ def chunked_causal_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Softmax over the union of two key sets from each part's output and log-sum-exp ``[..., L]``."""
+    top = torch.maximum(lse_a, lse_b)
+    w_a = torch.exp(lse_a - top).unsqueeze(-1)
+    w_b = torch.exp(lse_b - top).unsqueeze(-1)
+    return (out_a.float() * w_a + out_b.float() * w_b) / (w_a + w_b)
+
+
+_shared = threading.local()
+
+
+def shared_prefix_available(device: torch.device) -> bool:
+    """Whether :func:`shared_prefix_attention` can run on ``device`` (it uses the CPU flash kernel)."""
+    return _flash_cpu is not None and device.type == "cpu"
+
+
+@contextmanager
+def shared_prefix(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """Make ``(keys, values)`` ``[1, kv_heads, P, head_dim]`` per layer the shared prefix of the calls inside."""
+    _shared.layers = layers
+    try:
+        yield
+    finally:
+        _shared.layers = None
+
+
+def shared_prefix_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``query [B, H, L, D]`` over the shared prefix and each row's own ``key/value [B, KV, S, D]``
+    under ``attention_mask`` (bool ``[B, 1, L, S]``, True: attend); returns ``[B, L, H, D]``."""
+    shared_k, shared_v = _shared.layers[module.layer_idx]  # [1, KV, P, D]
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    # Shared part: no mask, so all rows' queries of a KV group fold into one sequence axis.
+    folded = query.reshape(batch, kv_heads, groups * q_len, dim).transpose(0, 1).reshape(1, kv_heads, -1, dim)
+    out_shared, lse_shared = _flash_cpu(folded, shared_k, shared_v, scale=scaling)
+    out_shared = out_shared.reshape(kv_heads, batch, groups * q_len, -1).transpose(0, 1).reshape(batch, heads, q_len, -1)
+    lse_shared = lse_shared.reshape(kv_heads, batch, groups * q_len).transpose(0, 1).reshape(batch, heads, q_len)
+    # Rows' own part: few keys, so expand them to the query heads and apply the mask.
+    bias = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+    bias.masked_fill_(~attention_mask, float("-inf"))
+    out_rows, lse_rows = _flash_cpu(
+        query, key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), attn_mask=bias, scale=scaling
+    )
+    merged = _merge(out_shared, lse_shared, out_rows, lse_rows).to(query.dtype)
+    return merged.transpose(1, 2).contiguous(), None
+
+
 def _no_mask(*args: Any, **kwargs: Any) -> None:
     """Mask function for :data:`ATTENTION_NAME`: the attention function needs none."""
     return None
@@ -90,4 +152,7 @@ def register() -> str:
 
     AttentionInterface.register(ATTENTION_NAME, chunked_causal_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    # Batches pass their own 4D masks, which transformers hands through unchanged.
+    AttentionInterface.register(SHARED_PREFIX_NAME, shared_prefix_attention)
+    AttentionMaskInterface.register(SHARED_PREFIX_NAME, _no_mask)
     return ATTENTION_NAME

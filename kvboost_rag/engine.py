@@ -557,9 +557,11 @@ class KVBoostEngine:
     ) -> list[GenerationResult | BaseException]:
         t_prefill = time.perf_counter()
         rows = []
+        prefix_keys = []
         with self._lock:
             for p, cancel in zip(prepared, cancels, strict=True):
                 chunks = self._chunks(p.canonical)
+                prefix_keys.append([(c.key, c.end) for c in chunks[:-1]])
                 store = self.store if p.mode == "exact" else None
                 prefix = None
                 if len(chunks) > 1:  # every chunk but the last, over the canonical schedule
@@ -569,7 +571,12 @@ class KVBoostEngine:
                     )
                 rows.append(BatchRow(p.canonical.token_ids, prefix, chunks[-1].start, p.params,
                                      self._max_new_tokens(p), cancel))
-        outputs = run_batch(self.assembler, self.tokenizer, rows, self.eos_ids, self._lock)
+        shared = 0  # tokens of the leading chunks that every row has (same keys: same KV)
+        for column in zip(*prefix_keys):
+            if any(key != column[0] for key in column):
+                break
+            shared = column[0][1]
+        outputs = run_batch(self.assembler, self.tokenizer, rows, self.eos_ids, self._lock, shared)
         done = time.perf_counter()
         results: list[GenerationResult | BaseException] = []
         for p, row, out in zip(prepared, rows, outputs, strict=True):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvboost_rag.chunk_attention import chunked_causal_attention
+from kvboost_rag.chunk_attention import chunked_causal_attention, shared_prefix, shared_prefix_attention
 
 
 class _Module(torch.nn.Module):
@@ -51,3 +51,25 @@ def test_an_explicit_mask_is_honoured():
     mask[..., 0] = True  # attend to the first key only
     out, _ = chunked_causal_attention(_Module(), q, k, v, mask)
     torch.testing.assert_close(out, v[:, :, :1].expand(1, 4, 8, 16).transpose(1, 2))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "q_len"), [(4, 2, 1), (9, 3, 5), (4, 4, 3)])
+def test_shared_prefix_attention_equals_attention_over_each_rows_full_keys(heads, kv_heads, q_len):
+    """Rows that attend to one shared prefix plus their own masked slots give what plain SDPA gives
+    over each row's copy of the prefix followed by its slots (rounding aside)."""
+    torch.manual_seed(0)
+    rows, prefix, own, dim = 3, 40, 7, 16
+    query = torch.randn(rows, heads, q_len, dim)
+    shared_k, shared_v = torch.randn(1, kv_heads, prefix, dim), torch.randn(1, kv_heads, prefix, dim)
+    key, value = torch.randn(rows, kv_heads, own, dim), torch.randn(rows, kv_heads, own, dim)
+    mask = torch.rand(rows, 1, q_len, own) > 0.4
+    mask[..., -1] = True  # every query sees at least its own slot
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    with shared_prefix([(shared_k, shared_v)]):
+        out, _ = shared_prefix_attention(module, query, key, value, mask)
+    full_k = torch.cat([shared_k.expand(rows, -1, -1, -1), key], dim=2).repeat_interleave(heads // kv_heads, dim=1)
+    full_v = torch.cat([shared_v.expand(rows, -1, -1, -1), value], dim=2).repeat_interleave(heads // kv_heads, dim=1)
+    full_mask = torch.cat([torch.ones(rows, 1, q_len, prefix, dtype=torch.bool), mask], dim=3)
+    expected = F.scaled_dot_product_attention(query, full_k, full_v, attn_mask=full_mask).transpose(1, 2)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
