@@ -94,6 +94,7 @@ def blend_prefill(
     namespace: str,
     settings: BlendSettings,
     capacity: int,
+    store_last_logits: bool = True,
 ) -> PrefillOutcome:
     """Fill a cache for ``prompt``: exact prefix, then reused documents with selective recompute."""
     token_ids = prompt.token_ids
@@ -119,7 +120,10 @@ def blend_prefill(
         if kv is not None:
             first_blend, reused[i] = i, kv
             break
-        logits = compute_chunk(assembler, cache, token_ids, chunks, i, store=store, need_logits=i == last, store_logits=i == last)
+        logits = compute_chunk(
+            assembler, cache, token_ids, chunks, i, store=store, need_logits=i == last,
+            store_logits=store_last_logits and i == last,
+        )
         recomputed += chunk.num_tokens
         stored += chunk.num_tokens
         if is_doc[i]:

@@ -628,6 +628,7 @@ class KVBoostEngine:
                     self.assembler, self._blend_shifter(), canonical, chunks,
                     store=self.store, registry=self.registry, namespace=self.namespace,
                     settings=self._blend_settings(prepared.request.blend_recompute_ratio), capacity=n_prompt + max_new,
+                    store_last_logits=self.config.store_last_logits,
                 )
             else:
                 out = prefill(
