@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="exact: zero-loss reuse; blend: also reuse pre-warmed documents at new positions "
                           "(approximate, reported); off: no cache")
     gen.add_argument("--blend-ratio", type=float, default=None,
-                     help="blend mode: share of reused document tokens to recompute (default: 0.05)")
+                     help="blend mode: share of reused document tokens to recompute (default: the engine's blend_recompute_ratio)")
     gen.add_argument("--json", action="store_true", help="print the result with usage and timings as JSON")
 
     pre = sub.add_parser("prewarm", help="compute and store the KV of documents ahead of queries")

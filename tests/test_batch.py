@@ -91,6 +91,25 @@ def test_shared_prefix_is_computed_once_and_accounting_adds_up():
     assert [r.token_ids for r in off] == [r.token_ids for r in batch]
 
 
+def test_a_prefix_every_row_shares_is_kept_once(monkeypatch):
+    from kvboost_rag import chunk_attention
+
+    seen: list[int] = []
+    real = chunk_attention.shared_prefix
+
+    def spy(layers):
+        seen.append(layers[0][0].shape[2])  # [1, kv_heads, tokens, head_dim]
+        return real(layers)
+
+    monkeypatch.setattr(chunk_attention, "shared_prefix", spy)
+    engine = make_engine()
+    lone = [engine.generate(p, max_new_tokens=6, return_logits=True) for p in prompts()]
+    batch = engine.generate_batch(prompts(), max_new_tokens=6, return_logits=True)
+    shared = len(engine.canonicalize([SHARED], add_generation_prompt=False))
+    assert seen and set(seen) == {shared}  # the prefill and every decode step attend to one copy
+    assert_matches_lone(batch, lone)
+
+
 def test_a_bad_request_fails_alone():
     engine = make_engine()
     results = engine.generate_batch([prompts()[0], "", prompts()[1]], max_new_tokens=4, return_exceptions=True)

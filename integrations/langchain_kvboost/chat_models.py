@@ -80,7 +80,7 @@ class ChatKVBoost(BaseChatModel):
     position (approximate, counted in ``response_metadata["kvboost"]["approx_tokens"]``);
     ``off`` never reads or writes the store."""
     blend_recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
-    """Blend mode: share of reused document tokens recomputed (None: the engine default, 0.05)."""
+    """Blend mode: share of reused document tokens recomputed (None: the engine's ``blend_recompute_ratio``)."""
     chunk_size: int = 1024
     """Tokens per stored chunk (and prefill step)."""
 

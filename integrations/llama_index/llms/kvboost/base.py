@@ -102,7 +102,7 @@ class KVBoost(LLM):
     )
     blend_recompute_ratio: float | None = Field(
         default=None, ge=0.0, le=1.0,
-        description="Blend mode: share of reused node tokens recomputed (None: the engine default, 0.05).",
+        description="Blend mode: share of reused node tokens recomputed (None: the engine's blend_recompute_ratio).",
     )
     chunk_size: int = Field(default=1024, gt=0, description="Tokens per stored chunk (and prefill step).")
     context_window: int | None = Field(
