@@ -12,7 +12,7 @@ Read bandwidth is measured on the same store files in the same process, with the
 OS page cache as it is (warm after the first read), the state of a serving box.
 Also reports pre-warm throughput (tokens/s) next to plain prefill of the same documents.
 
-    python benchmarks/disk_ttft.py            # 2K and 8K tokens, bf16
+    python benchmarks/disk_ttft.py            # 2K and 8K tokens
     python benchmarks/disk_ttft.py --quick    # 2K only, fewer repetitions
 """
 
@@ -122,7 +122,7 @@ def prewarm_throughput(dtype: str, n_docs: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--worker", nargs=3, metavar=("STORE", "DOC_FILE", "REPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -1,80 +1,206 @@
 """Write the README's results section from the benchmark JSON under docs/benchmarks/.
 
     python benchmarks/report.py          # rewrites the block between the results markers in README.md
+
+Every figure in the block is read from the JSON; a workload whose JSON is missing is left out.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "docs" / "benchmarks"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+DEFAULT_BLEND_MODE = "blend_5"  # EngineConfig.blend_recompute_ratio = 0.05
 
 
-def ttft_table(data: dict) -> list[str]:
-    lines = [
-        "| dtype | prompt tokens | plain HF prefill | kvboost cold | cold speed vs plain | warm (memory) "
-        "| HF DynamicCache copy | cold / warm |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in data["rows"]:
-        ratios = r["ratios"]
-        lines.append(
-            f"| {r['dtype']} | {r['prompt_tokens']} | {r['plain_prefill']['median']:.2f} s | {r['cold']['median']:.2f} s "
-            f"| {ratios['plain_over_cold']['median']:.2f}x | {r['warm_memory']['median'] * 1000:.0f} ms "
-            f"| {r['hf_prefix_reuse']['median'] * 1000:.0f} ms | {ratios['cold_over_warm']['median']:.1f}x |"
-        )
+def ms(x: float) -> str:
+    return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def spread(s: dict[str, float], unit: str = "x") -> str:
+    """Median with the interquartile range."""
+    return f"{s['median']:.2f}{unit} ({s['q1']:.2f}-{s['q3']:.2f})"
+
+
+def ttft_section(data: dict) -> list[str]:
+    rows = data["rows"]
+    llama = "llama_cpp_cold" in rows[0]
+    head = ["prompt tokens", "plain HF prefill", "kvboost cold"]
+    head += ["llama.cpp cold"] if llama else []
+    head += ["HF DynamicCache copy"] + (["llama.cpp context reuse"] if llama else [])
+    head += ["kvboost warm (memory)", "kvboost warm (disk)"] + (["llama.cpp LlamaDiskCache"] if llama else [])
+    head += ["kvboost full hit"]
+    lines = [f"| {' | '.join(head)} |", "|" + "---:|" * len(head)]
+    for r in rows:
+        keys = ["plain_prefill", "cold", *(["llama_cpp_cold"] if llama else []), "hf_prefix_reuse",
+                *(["llama_cpp_memory"] if llama else []), "warm_memory", "warm_disk",
+                *(["llama_cpp_disk"] if llama else []), "full_hit"]
+        lines.append(f"| {r['prompt_tokens']} | " + " | ".join(ms(r[k]["median"]) for k in keys) + " |")
+    lines += ["", "Ratios, per repetition then the median (interquartile range):", ""]
+    pairs = [("plain_over_cold", "cold path speed vs plain prefill"), ("cold_over_warm", "cold / warm (memory)"),
+             ("plain_over_warm_disk", "plain prefill / warm (disk)"),
+             ("warm_over_hf_prefix_reuse", "warm (memory) / HF DynamicCache copy")]
+    if llama:
+        pairs += [("llama_cpp_memory_over_warm", "llama.cpp context reuse / kvboost warm (memory)"),
+                  ("llama_cpp_disk_over_warm_disk", "llama.cpp LlamaDiskCache / kvboost warm (disk)"),
+                  ("llama_cpp_cold_over_cold", "llama.cpp cold / kvboost cold")]
+    lines += ["| ratio | " + " | ".join(f"{r['prompt_tokens']} tokens" for r in rows) + " |",
+              "|---|" + "---:|" * len(rows)]
+    for key, label in pairs:
+        lines.append(f"| {label} | " + " | ".join(spread(r["ratios"][key]) for r in rows) + " |")
+    r = rows[-1]
+    stored = f"{r['stored_bytes_per_token'] / 1024:.0f} KiB"
+    lines += ["", f"Stored bytes per token ({r['dtype']} KV, 30 layers x 3 KV heads x 64): {stored} in the disk tier"
+              + (f", {r['llama_cpp_state_bytes_per_token'] / 1024:.0f} KiB in llama.cpp's LlamaDiskCache (its saved "
+                 "state keeps the logits of every position besides the float16 KV)."
+                 if r.get("llama_cpp_state_bytes_per_token") else ".")]
     return lines
 
 
-def disk_table(data: dict) -> list[str]:
+def disk_section(data: dict) -> list[str]:
     lines = [
         "| prompt tokens | read from disk | cold | warm from disk (fresh process) | floor | cold / disk | disk / floor |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in data["rows"]:
         lines.append(
-            f"| {r['prompt_tokens']} | {r['bytes_read'] / 2**20:.0f} MiB | {r['cold']['median']:.2f} s "
-            f"| {r['disk']['median'] * 1000:.0f} ms | {r['floor']['median'] * 1000:.0f} ms "
+            f"| {r['prompt_tokens']} | {r['bytes_read'] / 2**20:.0f} MiB | {ms(r['cold']['median'])} "
+            f"| {ms(r['disk']['median'])} | {ms(r['floor']['median'])} "
             f"| {r['cold_over_disk']['median']:.1f}x | {r['disk_over_floor']['median']:.2f}x |"
         )
     p = data["prewarm"]
-    lines.append("")
-    lines.append(f"Pre-warming: {p['prewarm_tokens_per_s']:.0f} tokens/s (disk writes included) next to "
-                 f"{p['plain_prefill_tokens_per_s']:.0f} tokens/s of plain prefill of the same documents.")
+    lines += ["", f"Pre-warming: {p['prewarm_tokens_per_s']:.0f} tokens/s (disk writes included) next to "
+              f"{p['plain_prefill_tokens_per_s']:.0f} tokens/s of plain prefill of the same documents."]
+    return lines
+
+
+def chat_section(data: dict) -> list[str]:
+    turns = data["turns"]
+    llama = "llama_cpp" in turns[0]
+    head = ["turn", "prompt tokens", "read from the store", "plain HF prefill", "HF DynamicCache kept",
+            *(["llama.cpp context reuse"] if llama else []), "kvboost", "plain / kvboost"]
+    lines = [f"| {' | '.join(head)} |", "|" + "---:|" * len(head)]
+    for t in turns:
+        cells = [str(t["turn"]), f"{t['prompt_tokens']['median']:.0f}", f"{100 * t['cached_share']:.0f} %",
+                 ms(t["plain_hf"]["median"]), ms(t["hf_chat_cache"]["median"]),
+                 *([ms(t["llama_cpp"]["median"])] if llama else []), ms(t["kvboost"]["median"]),
+                 spread(t["speedup"]["plain_hf"])]
+        lines.append(f"| {' | '.join(cells)} |")
+    return lines
+
+
+def blend_section(data: dict) -> list[str]:
+    lines = ["| model | mode | answers agree with exact | first-token top-1 agree | KL (median) | TTFT (median) "
+             "| speedup vs exact |", "|---|---|---:|---:|---:|---:|---:|"]
+    for res in data["results"]:
+        for k, r in enumerate(sorted(res["rows"], key=lambda r: r["mode"] != "exact")):
+            model = f"{res['model']} ({r['questions']} questions)" if k == 0 else ""
+            if r["mode"] == "exact":
+                lines.append(f"| {model} | exact | - | - | - | {ms(r['ttft_s']['median'])} | 1.00x |")
+                continue
+            lines.append(
+                f"| {model} | blend {r['mode'].split('_')[1]} % | {100 * r['answer_agreement']:.1f} % "
+                f"| {100 * r['top1_agreement']:.0f} % | {r['kl_first_token']['median']:.4f} "
+                f"| {ms(r['ttft_s']['median'])} | {spread(r['speedup_vs_exact'])} |"
+            )
+    return lines
+
+
+def concurrency_section(data: dict) -> list[str]:
+    lines = ["| clients | batched | one by one (warm prefix) | plain HF generate | batched / one by one "
+             "| batched / plain HF | p50 latency batched / one by one |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        rps = {m: r[m]["requests_per_s"]["median"] for m in ("batched", "one_by_one", "plain_hf")}
+        lines.append(
+            f"| {r['clients']} | {rps['batched']:.2f} req/s | {rps['one_by_one']:.2f} req/s | {rps['plain_hf']:.2f} req/s "
+            f"| {spread(r['batched_over_one_by_one'])} | {spread(r['batched_over_plain_hf'])} "
+            f"| {r['batched']['p50_s']['median']:.1f} s / {r['one_by_one']['p50_s']['median']:.1f} s |"
+        )
+    return lines
+
+
+def targets(results: dict[str, Any]) -> list[str]:
+    """Each DESIGN.md target with the figure reached (medians of per-repetition ratios)."""
+    rows: list[tuple[str, str, bool]] = []
+
+    def add(target: str, figure: str, met: bool) -> None:
+        rows.append((target, figure, met))
+
+    if disk := results.get("disk_ttft"):
+        for r, goal in zip(disk["rows"], (20, 60)):
+            x = r["cold_over_disk"]["median"]
+            add(f"warm TTFT from disk >= {goal}x cold ({r['prompt_tokens']} tokens)", f"{x:.1f}x", x >= goal)
+        worst = max(r["disk_over_floor"]["median"] for r in disk["rows"])
+        add("warm TTFT from disk within 1.5x of the floor", f"{worst:.2f}x the floor (worst length)", worst <= 1.5)
+    if ttft := results.get("ttft"):
+        worst = max(r["ratios"]["warm_over_hf_prefix_reuse"]["median"] for r in ttft["rows"])
+        add("memory tier within 1.2x of HF DynamicCache copy", f"{worst:.2f}x (worst length)", worst <= 1.2)
+        slowest = min(r["ratios"]["plain_over_cold"]["median"] for r in ttft["rows"])
+        add("cold path >= 0.95x plain HF prefill speed", f"{slowest:.2f}x (worst length)", slowest >= 0.95)
+    if blend := results.get("blend_quality"):
+        for res in blend["results"]:
+            r = next((r for r in res["rows"] if r["mode"] == DEFAULT_BLEND_MODE), None)
+            if r is not None:
+                agree, speed = r["answer_agreement"], r["speedup_vs_exact"]["median"]
+                add(f"blend RAG >= 4x TTFT at >= 98 % agreement ({res['model']}, default ratio 5 %)",
+                    f"{speed:.2f}x at {100 * agree:.1f} %", speed >= 4 and agree >= 0.98)
+    if chat := results.get("chat_replay"):
+        t = chat["turns"][-1]
+        x = t["speedup"]["plain_hf"]["median"]
+        add(f"multi-turn chat >= 5x TTFT at turn {t['turn']}", f"{x:.2f}x", x >= 5)
+    if conc := results.get("concurrency"):
+        for r in conc["rows"]:
+            x = r["batched_over_one_by_one"]["median"]
+            add(f"concurrent requests >= 3x throughput over one by one ({r['clients']} clients)", f"{x:.2f}x", x >= 3)
+    return ["| target (DESIGN.md) | reached | |", "|---|---:|---|",
+            *(f"| {t} | {f} | {'met' if ok else 'not met'} |" for t, f, ok in rows)]
+
+
+SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [
+    ("ttft", "Time to first token vs prompt length, with peers on the same tokens", ttft_section),
+    ("disk_ttft", "Disk tier, a fresh process", disk_section),
+    ("chat_replay", "Multi-turn chat replay (ShareGPT, medians over conversations)", chat_section),
+    ("blend_quality", "RAG with 3-6 retrieved passages in shuffled orders: exact and blend reuse", blend_section),
+    ("concurrency", "Concurrent requests sharing a 1K-token prefix", concurrency_section),
+]
+
+
+def block() -> list[str]:
+    results = {name: json.loads((BENCH / f"{name}.json").read_text())
+               for name, _, _ in SECTIONS if (BENCH / f"{name}.json").exists()}
+    suite = json.loads((BENCH / "suite.json").read_text()) if (BENCH / "suite.json").exists() else None
+    m = (suite or next(iter(results.values())))["machine"]
+    lines = [START,
+             f"Measured on {m['cpu_count']} CPU cores ({m['processor']}; {', '.join(m.get('cpu_features', [])) or 'n/a'}), "
+             f"torch {m['torch']}, transformers {m['transformers']}, SmolLM2-135M-Instruct "
+             "(and Qwen2.5-0.5B for blend); every variant runs side by side in each repetition and ratios are "
+             "medians of per-repetition ratios. Reproduce with `make bench` (`make bench QUICK=1` for a short run); "
+             "JSON with quartiles and every sample, and plots, in `docs/benchmarks/`.", ""]
+    lines += ["Targets:", "", *targets(results), ""]
+    for name, title, render in SECTIONS:
+        if name in results:
+            lines += [f"**{title}** (`python benchmarks/{name}.py`, {results[name]['machine']['time'][:10]}):", "",
+                      *render(results[name]), ""]
+            if name == "ttft":
+                lines += ["![TTFT vs prompt length](docs/benchmarks/ttft.png)", ""]
+    lines.append(END)
     return lines
 
 
 def main() -> int:
-    bench = ROOT / "docs" / "benchmarks"
-    ttft, disk = json.loads((bench / "ttft.json").read_text()), json.loads((bench / "disk_ttft.json").read_text())
-    m = ttft["machine"]
-    block = [
-        START,
-        f"Measured on {m['cpu_count']} CPU cores ({m['processor']}), torch {m['torch']}, transformers "
-        f"{m['transformers']}, SmolLM2-135M-Instruct; medians of {ttft['rows'][0]['reps']} repetitions, every "
-        "variant run side by side in each repetition; ratios are medians of per-repetition ratios (JSON with quartiles in `docs/benchmarks/`).",
-        "",
-        "Time to first token, memory tier (`python benchmarks/ttft.py`):",
-        "",
-        *ttft_table(ttft),
-        "",
-        "![TTFT](docs/benchmarks/ttft.png)",
-        "",
-        "Disk tier, bfloat16 (`python benchmarks/disk_ttft.py`):",
-        "",
-        *disk_table(disk),
-        END,
-    ]
     readme = (ROOT / "README.md").read_text()
     if START not in readme:
         print("README.md has no results markers", file=sys.stderr)
         return 1
     head, rest = readme.split(START, 1)
     tail = rest.split(END, 1)[1]
-    (ROOT / "README.md").write_text(head + "\n".join(block) + tail)
+    (ROOT / "README.md").write_text(head + "\n".join(block()) + tail)
     return 0
 
 

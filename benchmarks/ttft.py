@@ -1,25 +1,30 @@
-"""TTFT vs prompt length on SmolLM2: cold path, warm path (memory tier), plain HF prefill and
-transformers' own prompt reuse (a prefilled DynamicCache copied per request), side by side.
+"""TTFT vs prompt length on SmolLM2, kvboost-rag next to what a user would run instead.
 
-Every repetition runs all variants back to back on the same prompt, so ratios are
-measured under the same machine noise. Writes JSON and a PNG under docs/benchmarks/.
+A document of N tokens and a question; per repetition, back to back on the same tokens:
+- kvboost cold (empty store, writes included), warm from memory, warm from disk (memory
+  tier emptied: the document is read from the disk tier), full hit (the same prompt again);
+- plain HF prefill, and transformers' prompt reuse (a prefilled DynamicCache copied per request);
+- llama.cpp on the Q4_1 GGUF of the same model (when llama-cpp-python is installed): cold,
+  warm from its context (in-memory prefix reuse), warm from its ``LlamaDiskCache``.
 
-    python benchmarks/ttft.py                 # bf16 and fp32, 512..4096 tokens
-    python benchmarks/ttft.py --quick         # bf16 only, 512 and 2048, fewer repetitions
+Ratios are taken per repetition (same machine noise), then their median. Writes JSON and a
+PNG under docs/benchmarks/.
+
+    python benchmarks/ttft.py                 # 512..4096 tokens, 5 repetitions
+    python benchmarks/ttft.py --quick         # 512 and 2048, 3 repetitions
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
+import tempfile
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, essay_text, machine, summary, text_of_tokens, timed  # noqa: E402
+from peers import LlamaCppPeer, copied_cache_prefill, llama_cpp_available, plain_prefill, prefill_cache  # noqa: E402
 
 from kvboost_rag import EngineConfig, KVBoostEngine, Segment  # noqa: E402
 from kvboost_rag.models import load_model  # noqa: E402
@@ -36,77 +41,95 @@ QUESTIONS = [
 ]
 
 
-def plain_prefill(model, tokenizer, text: str) -> int:
-    """What a user does without reuse: tokenize, one forward over the prompt, pick the first token."""
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    with torch.inference_mode():
-        logits = model(input_ids=ids, logits_to_keep=1).logits
-    return int(logits[0, -1].argmax())
-
-
-def hf_prefix_reuse(model, tokenizer, prefix_cache, prefix_len: int, question: str) -> int:
-    """transformers' documented pattern: copy a prefilled DynamicCache, run only the new tokens."""
-    ids = tokenizer(question, return_tensors="pt", add_special_tokens=False).input_ids
-    cache = copy.deepcopy(prefix_cache)
-    positions = torch.arange(prefix_len, prefix_len + ids.shape[1]).unsqueeze(0)
-    with torch.inference_mode():
-        logits = model(input_ids=ids, cache=cache, position_ids=positions, logits_to_keep=1).logits
-    return int(logits[0, -1].argmax())
-
-
-def bench_dtype(dtype: str, lengths: list[int], reps: int, text: str, chunk_size: int) -> list[dict]:
-    from transformers import DynamicCache
-
+def bench_dtype(dtype: str, lengths: list[int], reps: int, text: str, chunk_size: int, use_llama: bool) -> list[dict]:
     model, tok = load_model("smollm2-135m-instruct", dtype=dtype)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     rows = []
     for n in lengths:
         doc = text_of_tokens(tok, text, n - 16, offset_tokens=n)  # a different passage per length
-        times: dict[str, list[float]] = {"plain_prefill": [], "cold": [], "warm_memory": [], "full_hit": [],
-                                         "hf_prefix_reuse": []}
+        keys = ["plain_prefill", "cold", "warm_memory", "warm_disk", "full_hit", "hf_prefix_reuse"]
+        if use_llama:
+            keys += ["llama_cpp_cold", "llama_cpp_memory", "llama_cpp_disk"]
+        times: dict[str, list[float]] = {k: [] for k in keys}
         prompt_tokens = None
-        engine = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=chunk_size))
-        # One untimed round for allocator and kernel warm-up.
-        engine.generate([Segment(doc, "document"), Segment(QUESTIONS[0])], max_new_tokens=1)
-        plain_prefill(model, tok, doc + QUESTIONS[0])
-        doc_ids = tok(doc, return_tensors="pt", add_special_tokens=False).input_ids
-        prefix_cache = DynamicCache(config=model.config)
-        with torch.inference_mode():
-            model(input_ids=doc_ids, cache=prefix_cache, logits_to_keep=1)
-        for r in range(reps):
-            q = QUESTIONS[(r + 1) % len(QUESTIONS)] + f" ({r})"
-            prompt = [Segment(doc, "document"), Segment(q)]
-            times["plain_prefill"].append(timed(lambda: plain_prefill(model, tok, doc + q)))
-            engine.store.clear()
-            cold = engine.generate(prompt, max_new_tokens=1)
-            times["cold"].append(cold.timings.ttft_s)
-            prompt_tokens = cold.usage.prompt_tokens
-            warm_prompt = [Segment(doc, "document"), Segment(q + " Again.")]
-            warm = engine.generate(warm_prompt, max_new_tokens=1)
-            assert warm.usage.cached_tokens > 0
-            times["warm_memory"].append(warm.timings.ttft_s)
-            full = engine.generate(warm_prompt, max_new_tokens=1)
-            assert full.usage.cached_tokens == full.usage.prompt_tokens
-            times["full_hit"].append(full.timings.ttft_s)
-            times["hf_prefix_reuse"].append(timed(lambda: hf_prefix_reuse(model, tok, prefix_cache, doc_ids.shape[1], q)))
-        row = {"dtype": dtype, "prompt_tokens": prompt_tokens, "reps": reps, "chunk_size": chunk_size}
+        with tempfile.TemporaryDirectory() as store_dir, tempfile.TemporaryDirectory() as llama_dir:
+            engine = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=chunk_size), store_dir=store_dir)
+            memory, disk = engine.store.tiers
+            ids_of = lambda prompt: engine.canonicalize(prompt).token_ids  # noqa: E731
+            # One untimed round for allocator and kernel warm-up.
+            first = [Segment(doc, "document"), Segment(QUESTIONS[0])]
+            engine.generate(first, max_new_tokens=1)
+            plain_prefill(model, ids_of(first))
+            doc_ids = ids_of([Segment(doc, "document")])
+            prefix_cache = prefill_cache(model, doc_ids)
+            llama = LlamaCppPeer(n_ctx=n + 256, cache_dir=llama_dir) if use_llama else None
+            llama_bytes_per_token = None
+            if llama is not None:
+                llama.store(ids_of(first))  # what an earlier request leaves in its disk cache
+                llama_bytes_per_token = llama.disk_bytes() / (len(ids_of(first)) + 1)
+            for r in range(reps):
+                q = QUESTIONS[(r + 1) % len(QUESTIONS)] + f" ({r})"
+                prompt = [Segment(doc, "document"), Segment(q)]
+                ids = ids_of(prompt)
+                times["plain_prefill"].append(timed(lambda: plain_prefill(model, ids)))
+                memory.clear()
+                disk.clear()
+                cold = engine.generate(prompt, max_new_tokens=1)
+                times["cold"].append(cold.timings.ttft_s)
+                prompt_tokens = cold.usage.prompt_tokens
+                engine.store.flush()
+                warm_prompt = [Segment(doc, "document"), Segment(q + " Again.")]
+                warm = engine.generate(warm_prompt, max_new_tokens=1)
+                assert warm.usage.cached_tokens_by_tier.get("memory", 0) > 0, warm.usage
+                times["warm_memory"].append(warm.timings.ttft_s)
+                full = engine.generate(warm_prompt, max_new_tokens=1)
+                assert full.usage.cached_tokens == full.usage.prompt_tokens
+                times["full_hit"].append(full.timings.ttft_s)
+                memory.clear()
+                from_disk = engine.generate([Segment(doc, "document"), Segment(q + " Once more.")], max_new_tokens=1)
+                assert from_disk.usage.cached_tokens_by_tier.get("disk", 0) > 0, from_disk.usage
+                times["warm_disk"].append(from_disk.timings.ttft_s)
+                # bytes on disk per stored token (payloads with their headers, last logits included)
+                stored_bytes_per_token = disk.stats()["disk"].bytes / sum(disk.get(k).chunk.num_tokens for k in disk.keys())
+                times["hf_prefix_reuse"].append(
+                    timed(lambda: copied_cache_prefill(model, prefix_cache, len(doc_ids), ids[len(doc_ids):]))
+                )
+                if llama is not None:
+                    times["llama_cpp_cold"].append(llama.ttft(ids))
+                    times["llama_cpp_memory"].append(llama.ttft(ids_of(warm_prompt), keep_context=True))
+                    times["llama_cpp_disk"].append(llama.ttft(ids_of(warm_prompt), use_disk=True))
+            engine.close()
+        row = {"dtype": dtype, "prompt_tokens": prompt_tokens, "reps": reps, "chunk_size": chunk_size,
+               "stored_bytes_per_token": stored_bytes_per_token, "llama_cpp_state_bytes_per_token": llama_bytes_per_token}
         row |= {k: summary(v) for k, v in times.items()}
         med = {k: row[k]["median"] for k in times}
         # ratios per repetition (same noise), then their median
-        row["ratios"] = {
-            "cold_over_warm": summary([c / w for c, w in zip(times["cold"], times["warm_memory"])]),
-            "plain_over_cold": summary([p / c for p, c in zip(times["plain_prefill"], times["cold"])]),
-            "warm_over_hf_prefix_reuse": summary([w / h for w, h in zip(times["warm_memory"], times["hf_prefix_reuse"])]),
+        pairs = {
+            "cold_over_warm": ("cold", "warm_memory"),
+            "plain_over_cold": ("plain_prefill", "cold"),
+            "plain_over_warm_disk": ("plain_prefill", "warm_disk"),
+            "warm_over_hf_prefix_reuse": ("warm_memory", "hf_prefix_reuse"),
         }
+        if use_llama:
+            pairs |= {"llama_cpp_memory_over_warm": ("llama_cpp_memory", "warm_memory"),
+                      "llama_cpp_disk_over_warm_disk": ("llama_cpp_disk", "warm_disk"),
+                      "llama_cpp_cold_over_cold": ("llama_cpp_cold", "cold")}
+        row["ratios"] = {name: summary([x / y for x, y in zip(times[a], times[b])]) for name, (a, b) in pairs.items()}
         print(
-            f"{dtype} {prompt_tokens:5d} tok | plain {med['plain_prefill']:.3f}s cold {med['cold']:.3f}s "
-            f"warm {med['warm_memory'] * 1000:.0f}ms full-hit {med['full_hit'] * 1000:.0f}ms "
-            f"hf-reuse {med['hf_prefix_reuse'] * 1000:.0f}ms | cold/warm {row['ratios']['cold_over_warm']['median']:.1f}x "
-            f"cold speed vs plain {row['ratios']['plain_over_cold']['median']:.3f}x "
-            f"warm/hf-reuse {row['ratios']['warm_over_hf_prefix_reuse']['median']:.2f}x",
+            f"{dtype} {prompt_tokens:5d} tok | " + " ".join(f"{k} {med[k] * 1000:.0f}ms" for k in keys) + " | "
+            + " ".join(f"{name} {v['median']:.2f}x" for name, v in row["ratios"].items()),
             flush=True,
         )
         rows.append(row)
     return rows
+
+
+PLOT_LABELS = [
+    ("plain_prefill", "plain HF prefill"), ("cold", "kvboost cold (writes included)"),
+    ("llama_cpp_cold", "llama.cpp cold (Q4_1)"), ("hf_prefix_reuse", "HF DynamicCache copy"),
+    ("llama_cpp_memory", "llama.cpp context reuse"), ("llama_cpp_disk", "llama.cpp LlamaDiskCache"),
+    ("warm_memory", "kvboost warm (memory)"), ("warm_disk", "kvboost warm (disk)"), ("full_hit", "kvboost full hit"),
+]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -120,9 +143,9 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, dtype in zip(axes[0], dtypes):
         sel = [r for r in rows if r["dtype"] == dtype]
         x = [r["prompt_tokens"] for r in sel]
-        for key, label in [("plain_prefill", "plain HF prefill"), ("cold", "kvboost cold (writes included)"),
-                           ("hf_prefix_reuse", "HF DynamicCache copy"), ("warm_memory", "kvboost warm (memory)"),
-                           ("full_hit", "kvboost full hit")]:
+        for key, label in PLOT_LABELS:
+            if key not in sel[0]:
+                continue
             med = [r[key]["median"] for r in sel]
             lo = [r[key]["median"] - r[key]["q1"] for r in sel]
             hi = [r[key]["q3"] - r[key]["median"] for r in sel]
@@ -141,16 +164,18 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--dtypes", default=None, help="comma list (default bfloat16,float32)")
+    parser.add_argument("--dtypes", default="auto", help="comma list (default: auto, the engine's choice here)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp peer")
     parser.add_argument("--lengths", default=None, help="comma list of prompt tokens (default 512,1024,2048,4096)")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--chunk-size", type=int, default=EngineConfig().chunk_size)
     args = parser.parse_args()
-    dtypes = (args.dtypes or ("bfloat16" if args.quick else "bfloat16,float32")).split(",")
+    dtypes = args.dtypes.split(",")
+    use_llama = not args.no_llama_cpp and llama_cpp_available()
     lengths = [int(x) for x in (args.lengths or ("512,2048" if args.quick else "512,1024,2048,4096")).split(",")]
-    reps = args.reps or (3 if args.quick else 7)
+    reps = args.reps or (3 if args.quick else 5)
     text = essay_text()
-    rows = [row for dtype in dtypes for row in bench_dtype(dtype, lengths, reps, text, args.chunk_size)]
+    rows = [row for dtype in dtypes for row in bench_dtype(dtype, lengths, reps, text, args.chunk_size, use_llama)]
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     name = "ttft-quick" if args.quick else "ttft"
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))

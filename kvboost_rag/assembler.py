@@ -10,6 +10,7 @@ Layouts:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Iterator
@@ -98,7 +99,7 @@ def _attention_window(config: Any) -> int | None:
 class Assembler:
     """Cache assembly and forward calls for one loaded model."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, transposed_batch_weights: bool = True) -> None:
         self.model = model
         self.config = model.config
         text = model.config.get_text_config(decoder=True)
@@ -115,6 +116,8 @@ class Assembler:
         self._chunk_attention = (
             chunk_attention.register() if getattr(model.config, "_attn_implementation", None) == "sdpa" else None
         )
+        self._transposed_batch_weights = transposed_batch_weights
+        self._transposed: dict[torch.nn.Linear, torch.Tensor] | None = None  # built at the first batch
 
     @property
     def attention_kernel(self) -> str:
@@ -195,13 +198,41 @@ class Assembler:
             "use_cache": True,
             self._cache_kwarg: cache,
         }
-        with self._forward_lock:
+        with self._forward_lock, self._batch_linears():
             if shared is None:
                 out = self.model(**kwargs, logits_to_keep=1)
             else:
                 with chunk_attention.shared_prefix(shared), self._attention_switch(chunk_attention.SHARED_PREFIX_NAME):
                     out = self.model(**kwargs, logits_to_keep=1)
         return out.logits[:, -1].float()
+
+    @contextmanager
+    def _batch_linears(self) -> Iterator[None]:
+        """On CPU, run every linear layer of a batched step against a transposed copy of its weight.
+
+        CPU BLAS multiplies a few rows by a ``[out, in]`` weight read transposed several times
+        slower than by an ``[in, out]`` one (576x576 fp32, 8 rows: 0.37 ms against 0.05 ms;
+        a whole SmolLM2 decode step of 8 rows: 151 ms against 113 ms). The copies cost the
+        linear weights' size once. Lone requests never come here, so exact mode is untouched;
+        the swap is held under the forward lock only.
+        """
+        if not self._transposed_batch_weights or self.device.type != "cpu":
+            yield
+            return
+        if self._transposed is None:
+            with torch.no_grad():
+                self._transposed = {
+                    m: m.weight.detach().t().contiguous()
+                    for m in self.model.modules()
+                    if type(m) is torch.nn.Linear  # subclasses (quantized layers) keep their own forward
+                }
+        for module, weight_t in self._transposed.items():
+            module.forward = functools.partial(_row_major_linear, weight_t=weight_t, bias=module.bias)
+        try:
+            yield
+        finally:
+            for module in self._transposed:
+                del module.forward
 
     @torch.inference_mode()
     def batch_cache(self, prefixes: list[tuple[Cache | None, int]], capacity: int, skip: int = 0) -> Cache:
@@ -310,6 +341,12 @@ class Assembler:
             raise ValueError(msg)
         for layer_idx, layer in enumerate(cache.layers):
             layer.update(kv[layer_idx, 0].unsqueeze(0), kv[layer_idx, 1].unsqueeze(0))
+
+
+def _row_major_linear(x: torch.Tensor, *, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``nn.Linear`` with the weight given as ``[in, out]``."""
+    y = torch.matmul(x, weight_t)
+    return y if bias is None else y + bias
 
 
 class _ProbeDone(Exception):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,10 +32,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=int, default=None, help="tokens per stored chunk (default: the engine's)")
 
 
+def _add_redis_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=os.environ.get("KVBOOST_REDIS_URL"),
+                   help="shared Redis KV tier, redis://[:password@]host:port/db or rediss:// for TLS "
+                        "(default: $KVBOOST_REDIS_URL; none: no Redis tier)")
+
+
 def _engine(args: argparse.Namespace, store_dir: str | None) -> Any:
     from .engine import KVBoostEngine
 
     overrides = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
+    if getattr(args, "redis_url", None):
+        overrides["redis_url"] = args.redis_url
     return KVBoostEngine.from_pretrained(args.model, dtype=args.dtype, store_dir=store_dir, **overrides)
 
 
@@ -46,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the user message (or raw prompt with --raw); '-' reads standard input")
     _add_model_args(gen)
     gen.add_argument("--store", default=None, help="KV store directory (default: memory only)")
+    _add_redis_args(gen)
     gen.add_argument("--system", default=None, help="system prompt")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--max-new-tokens", type=int, default=128)
@@ -63,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("sources", nargs="+", help="folders of .txt/.md/.rst files, JSONL files (text, id), or globs")
     _add_model_args(pre)
     pre.add_argument("--store", default=_default_store(), help="KV store directory (default: %(default)s)")
+    _add_redis_args(pre)
     group = pre.add_mutually_exclusive_group()
     group.add_argument("--prefix", default=None, help="exact prompt text that precedes each document")
     group.add_argument("--system", default=None, help="system prompt: the prefix is the chat template's text "
@@ -88,6 +99,26 @@ def _parser() -> argparse.ArgumentParser:
     clear.add_argument("--yes", action="store_true", help="do not ask for confirmation")
 
     sub.add_parser("models", help="list the offline model aliases")
+
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    srv.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                     help="alias, HF id or local path (same as --model)")
+    _add_model_args(srv)
+    srv.add_argument("--store", default=None, help="KV store directory (default: memory only)")
+    _add_redis_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="name /v1/models lists (default: MODEL)")
+    srv.add_argument("--max-queue", type=int, default=64,
+                     help="most requests admitted at once, running or waiting; more get 429 (default: %(default)s)")
+    srv.add_argument("--request-timeout-s", type=float, default=120.0,
+                     help="per-request limit, streams included; past it 504 and the generation stops")
+    srv.add_argument("--batch-window-ms", type=float, default=None,
+                     help="how long a request waits for others to join its batch (default: the engine's)")
+    srv.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request sets none")
+    srv.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                     help="on SIGTERM/SIGINT, how long running requests may finish before they are stopped")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
 
@@ -275,8 +306,31 @@ def _clear(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _serve(args: argparse.Namespace) -> int:
+    if args.model_arg is not None:
+        args.model = args.model_arg
+    if args.max_queue < 1 or args.request_timeout_s <= 0 or args.default_max_tokens < 1:
+        raise InvalidRequestError("--max-queue and --default-max-tokens must be >= 1, --request-timeout-s > 0")
+    from .server import serve
+
+    engine = _engine(args, args.store)
+    if args.batch_window_ms is not None:
+        # the scheduler reads the window when the first request arrives, so setting it before serving is enough
+        engine.config = type(engine.config).model_validate(
+            engine.config.model_dump() | {"batch_window_ms": args.batch_window_ms})
+    # serve() closes the engine on shutdown (flushing pending store writes)
+    serve(
+        engine, host=args.host, port=args.port, log_level=args.log_level,
+        model_name=args.served_model_name or args.model, max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout_s, default_max_tokens=args.default_max_tokens,
+        shutdown_grace_s=args.shutdown_grace_s,
+    )
+    return EXIT_OK
+
+
 COMMANDS = {"generate": _generate, "prewarm": _prewarm, "stats": _stats, "verify": _verify, "gc": _gc,
             "clear": _clear}
+COMMANDS["serve"] = _serve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 import time
@@ -19,7 +20,13 @@ from .canonical import Canonicalizer, CanonicalPrompt, PromptInput, Segment, nor
 from .config import EngineConfig, ReuseMode
 from .batch import BatchRow, run_batch
 from .blend import BlendSettings, blend_prefill, document_chunks, record_sources
-from .errors import ContextWindowExceededError, InvalidRequestError, KVBoostError, UnsupportedModelError
+from .errors import (
+    ContextWindowExceededError,
+    InvalidRequestError,
+    KVBoostError,
+    StoreError,
+    UnsupportedModelError,
+)
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .keys import Chunk, make_namespace, plan_chunks
 from .models import load_model
@@ -159,6 +166,15 @@ class PrewarmReport:
         return self.computed_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+def _shared_records(store: KVStore) -> Any:
+    """Registry records of a tier that other processes share (the Redis tier), if the store has one."""
+    for tier in getattr(store, "tiers", [store]):
+        records = getattr(tier, "shared_records", None)
+        if callable(records):
+            return records()
+    return None
+
+
 class KVBoostEngine:
     """Generate with a HF causal LM, reusing the KV of repeated context chunk by chunk.
 
@@ -187,7 +203,7 @@ class KVBoostEngine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-        self.assembler = Assembler(model)
+        self.assembler = Assembler(model, transposed_batch_weights=self.config.batch_transposed_weights)
         self.namespace = make_namespace(
             model=model_fingerprint(model),
             tokenizer=tokenizer_fingerprint(tokenizer),
@@ -198,7 +214,10 @@ class KVBoostEngine:
         if store is not None and store_dir is not None:
             raise ValueError("pass either store or store_dir, not both")
         self.store: KVStore = store if store is not None else self._open_store(store_dir)
-        self.registry = DocumentRegistry(Path(store_dir).expanduser() / "documents.sqlite" if store_dir else None)
+        self.registry = DocumentRegistry(
+            Path(store_dir).expanduser() / "documents.sqlite" if store_dir else None,
+            shared=_shared_records(self.store),  # a Redis tier shares documents between processes
+        )
         finder = self.registry.find if self.config.find_documents else None
         self.canonicalizer = Canonicalizer(tokenizer, find_documents=finder)
         self.eos_ids = self._eos_ids()
@@ -210,11 +229,28 @@ class KVBoostEngine:
             self._blend_shifter()  # refuse an unsupported model now, not at the first request
 
     def _open_store(self, store_dir: str | Path | None) -> KVStore:
-        memory = MemoryStore(self.config.max_memory_bytes)
-        if store_dir is None:
-            return memory
-        disk = DiskStore(store_dir, self.namespace, max_bytes=self.config.max_disk_bytes)
-        return TieredStore([memory, disk])
+        tiers: list[KVStore] = [MemoryStore(self.config.max_memory_bytes)]
+        if store_dir is not None:
+            tiers.append(DiskStore(store_dir, self.namespace, max_bytes=self.config.max_disk_bytes))
+        if self.config.redis_url is not None:
+            tiers.append(self._open_redis(self.config.redis_url))
+        return tiers[0] if len(tiers) == 1 else TieredStore(tiers)
+
+    def _open_redis(self, url: str) -> KVStore:
+        """The shared Redis tier; opening it sends nothing, so a server that is down only costs misses."""
+        try:
+            from .store.redis import RedisStore
+        except ImportError as e:
+            msg = "redis_url needs the redis package: pip install 'kvboost-rag[redis]'"
+            raise StoreError(msg) from e
+        c = self.config
+        known = set(inspect.signature(RedisStore).parameters) - {"url", "client", "namespace"}
+        unknown = sorted(set(c.redis_options) - known)
+        if unknown:
+            msg = f"redis_options: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            raise ValueError(msg)
+        options = {"key_prefix": c.redis_key_prefix, "ttl_s": c.redis_ttl_s, "max_bytes": c.max_redis_bytes}
+        return RedisStore(url, namespace=self.namespace, **(options | c.redis_options))
 
     @classmethod
     def from_pretrained(
@@ -501,9 +537,13 @@ class KVBoostEngine:
         window = self.assembler.context_window or (n_prompt + prepared.params.max_new_tokens)
         return min(prepared.params.max_new_tokens, window - n_prompt)
 
-    def _solo(self, prepared: _Prepared) -> GenerationResult:
+    def _solo(self, prepared: _Prepared, cancel: threading.Event | None = None) -> GenerationResult:
         result = None
-        for chunk in self._run(prepared):
+        steps = self._run(prepared)
+        for chunk in steps:
+            if cancel is not None and cancel.is_set():  # cancelled while running: stop at this token
+                steps.close()
+                raise CancelledError()
             result = chunk.result
         assert result is not None
         return result
@@ -540,7 +580,7 @@ class KVBoostEngine:
         outcomes: list[GenerationResult | BaseException | None] = [None] * len(prepared)
         for i in alone:
             try:
-                outcomes[i] = self._solo(prepared[i])
+                outcomes[i] = self._solo(prepared[i], cancels[i])
             except Exception as e:
                 outcomes[i] = e
         if together:

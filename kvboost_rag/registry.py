@@ -14,15 +14,20 @@ full comparison. Documents shorter than the anchor are not found in flat text
 For blend reuse the registry also keeps *sources*: for the content key of each
 stored document chunk, the prefix key it is stored under and the position it
 was computed at, so a document can be found wherever it appears.
+
+Processes that share only a remote tier (Redis), not a store directory, share
+the registry through it as well: pass the tier's records as ``shared`` (see
+:class:`SharedRecords`). Shared records are best effort: when the remote side
+is away, each process keeps what it has and learns the rest later.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 ANCHOR_CHARS = 32
 
@@ -39,6 +44,23 @@ class Source(NamedTuple):
     start: int
 
 
+class SharedRecords(Protocol):
+    """Registry records kept where other processes see them (implemented by the Redis tier).
+
+    Every method must be quick and must not raise when the shared side is unavailable.
+    """
+
+    def publish_documents(self, texts: Sequence[str]) -> None: ...
+
+    def new_documents(self) -> list[str]:
+        """Documents published by any process since the last call."""
+        ...
+
+    def publish_sources(self, sources: Mapping[str, Source]) -> None: ...
+
+    def source(self, content_key: str) -> Source | None: ...
+
+
 class DocumentRegistry:
     """Registered document texts, in memory and (with ``path``) persisted in SQLite.
 
@@ -51,8 +73,9 @@ class DocumentRegistry:
     [True]
     """
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, *, shared: SharedRecords | None = None) -> None:
         self._anchors: dict[str, list[str]] = {}
+        self._shared = shared
         self._sources: dict[str, Source] = {}
         self._lock = threading.Lock()
         self._con: sqlite3.Connection | None = None
@@ -73,7 +96,10 @@ class DocumentRegistry:
     def register(self, texts: Iterable[str]) -> int:
         """Add canonical (normalized) document texts; returns how many were new."""
         self._refresh()
-        new = [t for t in dict.fromkeys(texts) if len(t) >= ANCHOR_CHARS and not self._known(t)]
+        texts = [t for t in dict.fromkeys(texts) if len(t) >= ANCHOR_CHARS]
+        if self._shared is not None:
+            self._shared.publish_documents(texts)  # all of them: the shared side may have lost some
+        new = [t for t in texts if not self._known(t)]
         if self._con is not None and new:
             with self._lock:
                 self._con.execute("BEGIN IMMEDIATE")
@@ -99,6 +125,8 @@ class DocumentRegistry:
                     [(k, s.prefix_key, s.start) for k, s in sources.items()],
                 )
                 self._con.execute("COMMIT")
+        if self._shared is not None:
+            self._shared.publish_sources(sources)
 
     def source(self, content_key: str) -> Source | None:
         """The stored location of a document chunk with this content key, if any process recorded one."""
@@ -110,7 +138,12 @@ class DocumentRegistry:
                 ).fetchone()
                 if row is not None:
                     found = self._sources[content_key] = Source(row[0], int(row[1]))
-            return found
+        if found is None and self._shared is not None:
+            found = self._shared.source(content_key)  # outside the lock: a remote call
+            if found is not None:
+                with self._lock:
+                    self._sources[content_key] = found
+        return found
 
     def find(self, text: str) -> list[Match]:
         """Non-overlapping registered documents in ``text``, leftmost first, longest at a position."""
@@ -136,6 +169,14 @@ class DocumentRegistry:
 
     def _refresh(self) -> None:
         """Load documents registered since the last look (by this or another process)."""
+        if self._shared is not None:
+            remote = [t for t in self._shared.new_documents() if len(t) >= ANCHOR_CHARS]
+            if remote:
+                with self._lock:
+                    for text in remote:
+                        bucket = self._anchors.setdefault(text[:ANCHOR_CHARS], [])
+                        if text not in bucket:
+                            bucket.append(text)
         if self._con is None:
             return
         with self._lock:

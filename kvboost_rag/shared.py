@@ -1,4 +1,4 @@
-"""One engine per (model, dtype, device, store, chunk size) in a process, shared by the framework adapters.
+"""One engine per (model, dtype, device, stores, chunk size) in a process, shared by the framework adapters.
 
 A LangChain chat model and a LlamaIndex LLM are cheap configuration objects that
 users create many of; loading weights and opening a store for each would waste
@@ -20,6 +20,7 @@ class EngineSpec(NamedTuple):
     device: str | None
     store_dir: str | None
     chunk_size: int
+    redis_url: str | None = None
 
 
 _ENGINES: dict[EngineSpec, KVBoostEngine] = {}
@@ -36,7 +37,7 @@ def shared_engine(spec: EngineSpec) -> KVBoostEngine:
                 store_dir=spec.store_dir,
                 dtype=spec.dtype,
                 device=spec.device,
-                config=EngineConfig(chunk_size=spec.chunk_size),
+                config=EngineConfig(chunk_size=spec.chunk_size, redis_url=spec.redis_url),
             )
             _ENGINES[spec] = engine
         return engine

@@ -48,6 +48,20 @@ def test_batch_tokens_equal_lone_runs(arch):
     assert_matches_lone(batch, lone)
 
 
+@pytest.mark.parametrize("transposed", [True, False])
+def test_batched_steps_use_transposed_weights_only_inside_the_batch(transposed):
+    engine = make_engine(batch_transposed_weights=transposed)
+    lone = [engine.generate(p, max_new_tokens=8, return_logits=True) for p in prompts()]
+    assert engine.assembler._transposed is None  # lone requests never build the copies
+    batch = engine.generate_batch(prompts(), max_new_tokens=8, return_logits=True)
+    assert_matches_lone(batch, lone)
+    assert (engine.assembler._transposed is not None) == transposed
+    linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all("forward" not in vars(m) for m in linears)  # the model is left as it was
+    again = engine.generate(prompts()[0], max_new_tokens=8, return_logits=True)
+    assert again.token_ids == lone[0].token_ids and torch.equal(again.first_logits, lone[0].first_logits)
+
+
 def test_rows_with_different_prefixes_and_lengths_get_their_own_positions():
     engine = make_engine()
     other = Segment("Tokens are the unit of text a language model reads and writes, one id each. " * 2)

@@ -58,6 +58,8 @@ class ChatKVBoost(BaseChatModel):
     """Alias (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``), HF model id or local path."""
     store_dir: str | None = None
     """KV store directory shared across processes and restarts; None keeps KV in memory only."""
+    redis_url: str | None = Field(default=None, repr=False)
+    """Shared Redis tier (``redis://host:port/0``) read by every worker process; None: off."""
     dtype: str = "auto"
     """Weights and KV dtype: ``auto`` (bfloat16 where the hardware runs it natively, else float32),
     ``bfloat16``, ``float32`` or ``float16``."""
@@ -106,7 +108,9 @@ class ChatKVBoost(BaseChatModel):
         """The shared engine (loaded on first use)."""
         from kvboost_rag.shared import EngineSpec, shared_engine
 
-        return shared_engine(EngineSpec(self.model, self.dtype, self.device, self.store_dir, self.chunk_size))
+        return shared_engine(EngineSpec(
+            self.model, self.dtype, self.device, self.store_dir, self.chunk_size, self.redis_url
+        ))
 
     # -- generation --------------------------------------------------------------------------
 

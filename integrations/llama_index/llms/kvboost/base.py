@@ -83,6 +83,9 @@ class KVBoost(LLM):
     store_dir: str | None = Field(
         default=None, description="KV store directory shared across processes and restarts; None: memory only."
     )
+    redis_url: str | None = Field(
+        default=None, repr=False, description="Shared Redis tier (redis://host:port/0) read by every worker; None: off."
+    )
     dtype: str = Field(
         default="auto", description="Weights and KV dtype: auto (bfloat16 where native, else float32), bfloat16, float32."
     )
@@ -118,7 +121,9 @@ class KVBoost(LLM):
         """The shared engine (loaded on first use)."""
         from kvboost_rag.shared import EngineSpec, shared_engine
 
-        return shared_engine(EngineSpec(self.model, self.dtype, self.device, self.store_dir, self.chunk_size))
+        return shared_engine(EngineSpec(
+            self.model, self.dtype, self.device, self.store_dir, self.chunk_size, self.redis_url
+        ))
 
     @property
     def metadata(self) -> LLMMetadata:

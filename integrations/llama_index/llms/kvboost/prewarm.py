@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,9 +89,15 @@ class KVPrewarm(TransformComponent):
     def model_post_init(self, context: Any) -> None:
         # The ingestion cache skips a transformation whose to_dict() and input nodes it has seen.
         # A store on disk still holds the KV then; a memory-only store does not outlive the
-        # process, so it gets an identity of its own and the cache never matches it.
-        store = self.llm.store_dir
-        self._store_identity = str(Path(store).expanduser().resolve()) if store else f"memory-{uuid.uuid4().hex}"
+        # process, so it gets an identity of its own and the cache never matches it. A Redis tier
+        # outlives it too; its URL (which may hold a password) enters only as a digest.
+        store, redis_url = self.llm.store_dir, self.llm.redis_url
+        if store:
+            self._store_identity = str(Path(store).expanduser().resolve())
+        elif redis_url:
+            self._store_identity = "redis-" + hashlib.sha256(redis_url.encode()).hexdigest()[:16]
+        else:
+            self._store_identity = f"memory-{uuid.uuid4().hex}"
 
     def to_dict(self, **kwargs: Any) -> dict[str, Any]:
         return super().to_dict(**kwargs) | {"kv_store": self._store_identity}

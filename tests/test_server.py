@@ -1,0 +1,554 @@
+"""`kvboost-rag serve`: the official OpenAI client and LangChain's ChatOpenAI over real HTTP, streaming,
+errors, the request queue, timeouts, cancellation, /metrics and a draining shutdown."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from helpers import tiny_model, tiny_tokenizer  # noqa: E402
+
+from kvboost_rag import EngineConfig, KVBoostEngine  # noqa: E402
+from kvboost_rag.server import create_app, create_server  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny-llama"
+SYSTEM = (
+    "A key-value cache stores attention keys and values per token. Chunks never cross a segment boundary. "
+)
+LONG = "The quick brown fox jumps over the lazy dog. " * 400  # ~7600 tokens: beyond the 2048-token window
+
+
+def tiny_engine() -> KVBoostEngine:
+    engine = KVBoostEngine(
+        tiny_model("llama"), tiny_tokenizer(), config=EngineConfig(chunk_size=16), model_name=MODEL
+    )
+    engine.eos_ids = (
+        frozenset()
+    )  # random weights: never stop early, so every answer has exactly max_tokens tokens
+    return engine
+
+
+def chat(system: str, question: str = "Why?") -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served(NamedTuple):
+    url: str
+    service: Any  # the app's state: admission, metrics, live streams
+
+
+@contextmanager
+def running(app: Any) -> Iterator[Served]:
+    """Serve ``app`` with uvicorn on 127.0.0.1 (a free port) in a background thread."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = create_server(app, host="127.0.0.1", port=port, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive(), what="the server to start")
+    assert thread.is_alive(), "the server did not start"
+    try:
+        yield Served(f"http://127.0.0.1:{port}", app.state.kvboost)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[KVBoostEngine]:
+    engine = tiny_engine()
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def served(engine: KVBoostEngine) -> Iterator[Served]:
+    with running(create_app(engine, model_name=MODEL, close_engine=False)) as s:
+        yield s
+
+
+@pytest.fixture
+def client(served: Served) -> Iterator[Any]:
+    with openai.OpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def count_decoded_tokens(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the tokens the engine's single-request decode loop produces from now on."""
+    import kvboost_rag.engine as engine_module
+
+    count = [0]
+    real = engine_module.decode
+
+    def counting(*args: Any, **kwargs: Any) -> Iterator[int]:
+        for token in real(*args, **kwargs):
+            count[0] += 1
+            yield token
+
+    monkeypatch.setattr(engine_module, "decode", counting)
+    return count
+
+
+# -- Prometheus text ---------------------------------------------------------------------------
+
+SAMPLE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_]\w*="(?:[^"\\]|\\.)*",?)*)\})? (\S+)')
+LABEL = re.compile(r'([a-zA-Z_]\w*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Samples by (name, labels); asserts the exposition format's rules along the way."""
+    types: dict[str, str] = {}
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("counter", "gauge", "histogram", "summary", "untyped") and name not in types
+            types[name] = kind
+            continue
+        if not line or line.startswith("#"):
+            continue
+        match = SAMPLE.fullmatch(line)
+        assert match, f"not a Prometheus sample line: {line!r}"
+        name, labels, value = match.groups()
+        family = name if name in types else re.sub(r"_(bucket|sum|count)$", "", name)
+        assert family in types, f"{name} has no # TYPE line before it"
+        if types[family] == "counter":
+            assert name.endswith("_total"), name
+        samples[(name, tuple(LABEL.findall(labels or "")))] = float(value)
+    return samples
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    r = httpx.get(f"{url}/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return parse_prometheus(r.text)
+
+
+# -- the OpenAI client ---------------------------------------------------------------------------
+
+
+def test_chat_completion_has_openai_shape_and_reuses_a_repeated_prompt(client):
+    messages = chat(SYSTEM + "(shape)")
+    first = client.chat.completions.create(model="any-name", messages=messages, max_tokens=6, temperature=0)
+    assert first.object == "chat.completion" and first.id.startswith("chatcmpl-") and first.created > 0
+    assert first.model == MODEL  # any requested name is served by the loaded model, and reported as such
+    choice = first.choices[0]
+    assert (choice.index, choice.message.role, choice.finish_reason) == (0, "assistant", "length")
+    assert choice.message.content
+    u = first.usage
+    assert u.completion_tokens == 6 and u.total_tokens == u.prompt_tokens + 6
+    assert u.prompt_tokens_details.cached_tokens == 0
+    assert first.kvboost["recomputed_tokens"] == u.prompt_tokens and first.kvboost["ttft_s"] > 0
+
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    assert again.choices[0].message.content == choice.message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens > 0
+    assert again.kvboost["cached_tokens_by_tier"] == {"memory": again.usage.prompt_tokens}
+
+
+def test_streamed_chat_equals_the_non_streamed_answer(client):
+    messages = chat(SYSTEM + "(stream)", "What is stored?")
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(deltas) > 1  # one event per delta, not one at the end
+    assert "".join(deltas) == whole.choices[0].message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert (
+        len(finals) == 1
+        and finals[0].choices[0].finish_reason == "length"
+        and "kvboost" in finals[0].model_extra
+    )
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 8
+    assert (
+        usage_chunk.usage.prompt_tokens_details.cached_tokens == usage_chunk.usage.prompt_tokens
+    )  # stored by `whole`
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_endpoint_streams_and_not(client):
+    prompt = "The quick brown fox jumps over the lazy dog."
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    assert whole.object == "text_completion" and whole.id.startswith("cmpl-")
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 6
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=MODEL, prompt=[prompt], max_tokens=1, temperature=0, seed=1)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+
+
+def test_langchain_chat_openai_over_http(served):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=f"{served.url}/v1",
+        api_key="x",
+        model=MODEL,
+        temperature=0,
+        max_tokens=6,
+        max_retries=0,
+        stream_usage=True,
+    )
+    messages = [("system", SYSTEM + "(langchain)"), ("human", "What is a chunk?")]
+    first = llm.invoke(messages)
+    assert first.content and first.usage_metadata["output_tokens"] == 6
+    assert first.response_metadata["model_name"] == MODEL
+    chunks = list(llm.stream(messages))
+    assert "".join(c.content for c in chunks) == first.content
+    merged = chunks[0]
+    for c in chunks[1:]:
+        merged += c
+    assert merged.usage_metadata["input_token_details"]["cache_read"] == merged.usage_metadata["input_tokens"]
+
+
+def test_models_and_health(client, served):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.models.retrieve("gpt-4o")
+    r = httpx.get(f"{served.url}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["model"] == MODEL
+
+
+def test_metrics_are_prometheus_text_and_counters_move(client, served):
+    before = scrape(served.url)
+    client.chat.completions.create(
+        model=MODEL, messages=chat(SYSTEM + "(metrics)"), max_tokens=3, temperature=0
+    )
+    after = scrape(served.url)
+    ok = ("kvboost_http_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))
+    assert after[ok] == before.get(ok, 0) + 1
+    for name, grew_by in (("kvboost_completion_tokens_total", 3), ("kvboost_ttft_seconds_count", 1)):
+        assert after[(name, ())] == before[(name, ())] + grew_by
+    assert after[("kvboost_prompt_tokens_total", ())] > before[("kvboost_prompt_tokens_total", ())]
+    assert after[("kvboost_requests_in_flight", ())] == 0 and after[("kvboost_queue_capacity", ())] == 64
+    assert after[("kvboost_store_entries", (("tier", "memory"),))] > 0
+    buckets = [v for (name, labels), v in after.items() if name == "kvboost_ttft_seconds_bucket"]
+    assert buckets == sorted(buckets) and buckets[-1] == after[("kvboost_ttft_seconds_count", ())]
+    duration = ("kvboost_http_request_duration_seconds_count", (("endpoint", "/v1/chat/completions"),))
+    assert after[duration] >= 1
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "words", "param"),
+    [
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages is empty", "messages"),
+        ("/v1/chat/completions", {"model": MODEL}, "messages is required", "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "wizard", "content": "hi"}]},
+            "use one of",
+            "messages[0].role",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "tool", "content": "{}", "tool_call_id": "1"}]},
+            "tool calling is not supported",
+            "messages[0].role",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "text models",
+            "messages[0].content",
+        ),
+        ("/v1/chat/completions", {"messages": USER, "n": 2}, "one choice per request", "n"),
+        ("/v1/chat/completions", {"messages": USER, "n": 3, "stream": True}, "one choice per request", "n"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "presence_penalty": 0.5},
+            "omit it or send 0",
+            "presence_penalty",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "tools": [{"type": "function"}]},
+            "without tools",
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "max_tokens": 0},
+            "greater than or equal to 1",
+            "max_tokens",
+        ),
+        ("/v1/chat/completions", {"messages": USER, "temperature": -1}, "temperature", "temperature"),
+        ("/v1/chat/completions", {"messages": USER, "stop": ["", "x"]}, "non-empty", "stop"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": LONG}]},
+            "context window",
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": LONG}], "stream": True},
+            "context window",
+            "messages",
+        ),
+        ("/v1/completions", {"prompt": ""}, "prompt is empty", "prompt"),
+        ("/v1/completions", {"prompt": [1, 2, 3]}, "token-id prompts", "prompt"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "echo"),
+    ],
+)
+def test_bad_requests_get_openai_shaped_400s(served, path, body, words, param):
+    r = httpx.post(f"{served.url}{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert words in error["message"] and error["param"] == param
+
+
+def test_other_errors_are_openai_shaped(client, served):
+    r = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        content=b"{not json",
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.get(f"{served.url}/v1/nothing-here")
+    assert r.status_code == 404 and "/v1/chat/completions" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": LONG}], max_tokens=1
+        )
+    assert e.value.code == "context_length_exceeded" and "shorten the prompt" in e.value.message
+
+
+# -- queue, batching, timeouts, cancellation ----------------------------------------------------------
+
+
+def post_chat(url: str, question: str, **extra: Any) -> httpx.Response:
+    body = {"model": MODEL, "messages": chat(SYSTEM + "(queue)", question), "max_tokens": 3, "temperature": 0}
+    return httpx.post(f"{url}/v1/chat/completions", json=body | extra, timeout=60)
+
+
+def test_a_full_queue_answers_429_and_admitted_requests_finish(engine):
+    app = create_app(engine, model_name=MODEL, max_queue=2, close_engine=False)
+    with running(app) as s, ThreadPoolExecutor(2) as pool:
+        with engine._lock:  # the model is busy: admitted requests wait for it
+            admitted = [pool.submit(post_chat, s.url, f"Question {i}?") for i in range(2)]
+            wait_until(lambda: len(s.service.admission.tickets) == 2, what="two admitted requests")
+            refused = post_chat(s.url, "One too many?")
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            error = refused.json()["error"]
+            assert error["code"] == "queue_full" and "--max-queue" in error["message"]
+            with (
+                openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0) as c,
+                pytest.raises(openai.RateLimitError),
+            ):
+                c.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+            gauges = scrape(s.url)
+            assert (
+                gauges[("kvboost_requests_in_flight", ())] == 2 and gauges[("kvboost_queue_depth", ())] >= 1
+            )
+        assert [f.result().status_code for f in admitted] == [200, 200]
+        after = scrape(s.url)
+        assert (
+            after[("kvboost_http_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "429")))]
+            == 1
+        )
+
+
+def test_concurrent_requests_are_served_in_one_batch(engine, served, monkeypatch):
+    sizes: list[int] = []
+    real_batch = engine._batch
+
+    def spy(prepared: Any, cancels: Any) -> Any:
+        sizes.append(len(prepared))
+        return real_batch(prepared, cancels)
+
+    monkeypatch.setattr(engine, "_batch", spy)
+    with ThreadPoolExecutor(4) as pool:
+        with engine._lock:  # hold the model while four requests arrive; they queue up in the scheduler
+            futures = [pool.submit(post_chat, served.url, f"Batch question {i}?") for i in range(4)]
+            wait_until(lambda: len(served.service.admission.tickets) == 4, what="four admitted requests")
+        responses = [f.result() for f in futures]
+    assert all(r.status_code == 200 for r in responses)
+    assert all(r.json()["usage"]["completion_tokens"] == 3 for r in responses)
+    assert sizes and max(sizes) >= 2  # the first one runs alone; those that queued behind it share a batch
+
+
+def test_timeouts_answer_504_and_stop_the_generation(engine, monkeypatch):
+    decoded = count_decoded_tokens(monkeypatch)
+    app = create_app(engine, model_name=MODEL, request_timeout_s=0.5, close_engine=False)
+    messages = chat(SYSTEM + "(timeout)")
+    with running(app) as s, openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0) as c:
+        with engine._lock:  # the model is busy past the deadline
+            with pytest.raises(openai.APIStatusError) as e:
+                c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1000)
+            assert e.value.status_code == 504 and e.value.code == "request_timeout"
+            assert "did not finish within 0.5 s" in e.value.message
+            stream = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1000, stream=True)
+            with pytest.raises(openai.APIError, match="did not finish within 0.5 s"):
+                list(stream)
+        # Both generations were cancelled: once the model is free they stop at their first token.
+        engine.generate(
+            messages, max_new_tokens=1
+        )  # the scheduler is sequential: the cancelled one ran first
+        wait_until(
+            lambda: not s.service.bridges and not s.service.admission.tickets, what="the stream to stop"
+        )
+        assert decoded[0] < 50, "a timed-out request kept generating"
+        aborts = scrape(s.url)[
+            ("kvboost_stream_aborts_total", (("endpoint", "/v1/chat/completions"), ("reason", "timeout")))
+        ]
+        assert aborts == 1
+
+
+def test_a_client_that_disconnects_stops_its_stream(served, monkeypatch):
+    decoded = count_decoded_tokens(monkeypatch)
+    body = {"model": MODEL, "messages": chat(SYSTEM + "(disconnect)"), "max_tokens": 1500, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # held: dropping a half-read line iterator closes the connection
+        for line in lines:
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                break  # the model is generating
+        t0 = time.perf_counter()
+        health = httpx.get(f"{served.url}/health", timeout=10)
+        assert health.status_code == 200 and health.json()["in_flight"] == 1
+        assert time.perf_counter() - t0 < 2.0  # the event loop stays free while the model works
+    wait_until(
+        lambda: not served.service.bridges and not served.service.admission.tickets, what="the stream to stop"
+    )
+    assert decoded[0] < 1500
+    aborts = scrape(served.url)[
+        ("kvboost_stream_aborts_total", (("endpoint", "/v1/chat/completions"), ("reason", "disconnect")))
+    ]
+    assert aborts >= 1
+
+
+# -- load loop and shutdown ----------------------------------------------------------------------------
+
+
+def test_load_loop_runs_briefly_without_failures(served, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    load = importlib.import_module("server_load")
+    settings = load.LoadSettings(
+        model=MODEL, system=SYSTEM + "(load)", clients=2, duration_s=2.0, max_requests=50, max_tokens=3
+    )
+    result = load.run_load(served.url, settings)
+    assert result["failures"] == 0, result["errors"]
+    assert result["requests"] >= 2 and result["latency_s"]["p50"] > 0 and result["ttft_stream_s"]["n"] >= 1
+
+
+def test_serve_command_drains_and_flushes_the_store_on_sigterm(tmp_path):
+    model_dir, store = tmp_path / "tiny", tmp_path / "store"
+    tiny_model("llama").save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvboost_rag.cli",
+        "serve",
+        str(model_dir),
+        "--store",
+        str(store),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--chunk-size",
+        "16",
+        "--served-model-name",
+        "tiny",
+        "--log-level",
+        "warning",
+    ]
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+
+        def healthy() -> bool:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, timeout=90, what="the server to start")
+        body = {"model": "tiny", "messages": chat(SYSTEM), "max_tokens": 16, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # admitted and streaming
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)  # the stream in flight runs to its end
+        assert "data: [DONE]" in rest
+        assert any('"finish_reason":"' in line for line in rest)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode in (0, -signal.SIGTERM), stderr
+    assert "Traceback" not in stderr, stderr
+    from kvboost_rag.store import DiskStore
+
+    disk = DiskStore(store, namespace="", background_writes=False)
+    try:
+        assert (
+            sum(row["entries"] for row in disk.usage().values()) > 0
+        )  # the prompt's chunks reached the disk
+    finally:
+        disk.close()
