@@ -57,8 +57,8 @@ def ttft_section(data: dict) -> list[str]:
     r = rows[-1]
     stored = f"{r['stored_bytes_per_token'] / 1024:.0f} KiB"
     lines += ["", f"Stored bytes per token ({r['dtype']} KV, 30 layers x 3 KV heads x 64): {stored} in the disk tier"
-              + (f", {r['llama_cpp_state_bytes_per_token'] / 1024:.0f} KiB in llama.cpp's LlamaDiskCache (its saved "
-                 "state keeps the logits of every position besides the float16 KV)."
+              + (f", {r['llama_cpp_state_bytes_per_token'] / 1024:.0f} KiB in llama.cpp's LlamaDiskCache (the whole "
+                 "saved context state per prompt, divided by the prompt's tokens)."
                  if r.get("llama_cpp_state_bytes_per_token") else ".")]
     return lines
 
@@ -162,12 +162,29 @@ def targets(results: dict[str, Any]) -> list[str]:
             *(f"| {t} | {f} | {'met' if ok else 'not met'} |" for t, f, ok in rows)]
 
 
+def server_section(data: dict) -> list[str]:
+    s = data["settings"]
+    lines = [f"{s['clients']} clients for {s['duration_s']:.0f} s per mix, a {s['system_tokens']}-token shared system "
+             f"prompt, {s['max_tokens']} new tokens:", "",
+             "| mix | requests | failed | req/s | latency p50 / p95 / p99 | stream TTFT p50 / p95 | read from the store |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for run in data["runs"]:
+        r = run["result"]
+        lat, ttft = r["latency_s"], r.get("ttft_stream_s")
+        ttft_cell = f"{ttft['p50']:.2f} / {ttft['p95']:.2f} s" if ttft and ttft.get("n") else "-"
+        lines.append(f"| {run['stream']} streamed | {r['requests']} | {r['failures']} | {r['requests_per_s']:.2f} "
+                     f"| {lat['p50']:.1f} / {lat['p95']:.1f} / {lat['p99']:.1f} s | {ttft_cell} "
+                     f"| {100 * r['cached_prompt_share']:.0f} % |")
+    return lines
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("ttft", "Time to first token vs prompt length, with peers on the same tokens", ttft_section),
     ("disk_ttft", "Disk tier, a fresh process", disk_section),
     ("chat_replay", "Multi-turn chat replay (ShareGPT, medians over conversations)", chat_section),
     ("blend_quality", "RAG with 3-6 retrieved passages in shuffled orders: exact and blend reuse", blend_section),
     ("concurrency", "Concurrent requests sharing a 1K-token prefix", concurrency_section),
+    ("server_load", "`kvboost-rag serve` under load on loopback", server_section),
 ]
 
 

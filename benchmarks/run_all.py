@@ -40,6 +40,9 @@ WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
     "concurrency": (["concurrency.py", "--reps", "3"],
                     ["concurrency.py", "--clients", "8", "--reps", "1", "--max-new-tokens", "8",
                      "--out", str(RESULTS_DIR / "concurrency-quick.json")]),
+    # `kvboost-rag serve` on loopback: 8 clients for 30 s per request mix, no failures allowed
+    "server_load": (["server_load.py"],
+                    ["server_load.py", "--quick", "--out", str(RESULTS_DIR / "server_load-quick.json")]),
 }
 
 

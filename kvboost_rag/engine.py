@@ -30,7 +30,7 @@ from .errors import (
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .keys import Chunk, make_namespace, plan_chunks
 from .models import load_model
-from .runner import decode, prefill
+from .runner import decode, holding_writes, prefill
 from .sampling import SamplingParams
 from .registry import DocumentRegistry
 from .rope import RopeShifter
@@ -664,12 +664,13 @@ class KVBoostEngine:
             else:  # plain generation: one forward over the whole prompt through the model's own cache
                 chunks = [Chunk(0, n_prompt, "")]
             if mode == "blend" and blocker is None:
-                out = blend_prefill(
-                    self.assembler, self._blend_shifter(), canonical, chunks,
-                    store=self.store, registry=self.registry, namespace=self.namespace,
-                    settings=self._blend_settings(prepared.request.blend_recompute_ratio), capacity=n_prompt + max_new,
-                    store_last_logits=self.config.store_last_logits,
-                )
+                with holding_writes(self.assembler):
+                    out = blend_prefill(
+                        self.assembler, self._blend_shifter(), canonical, chunks,
+                        store=self.store, registry=self.registry, namespace=self.namespace,
+                        settings=self._blend_settings(prepared.request.blend_recompute_ratio),
+                        capacity=n_prompt + max_new, store_last_logits=self.config.store_last_logits,
+                    )
             else:
                 out = prefill(
                     self.assembler,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from .assembler import Assembler
 from .keys import Chunk
 from .sampling import SamplingParams, select_token
 from .store.base import KVStore, StoredChunk
+from .store.writer import prefill_in_progress
 
 ATTENTION_COST_SPAN = 2048
 """Positions after which a token's attention costs about as much as its MLP (for the eviction cost)."""
@@ -36,6 +38,11 @@ class PrefillOutcome:
     """Tokens whose KV was reused approximately (blend mode)."""
     select_s: float = 0.0
     """Seconds spent choosing which reused tokens to recompute (blend mode)."""
+
+
+def holding_writes(assembler: Assembler) -> AbstractContextManager[None]:
+    """Background store writes wait while a CPU prefill runs (they would stall its threads)."""
+    return prefill_in_progress() if assembler.device.type == "cpu" else nullcontext()
 
 
 def recompute_cost(chunk: Chunk) -> float:
@@ -64,19 +71,20 @@ def prefill(
     recomputed = stored = 0
     logits: torch.Tensor | None = None
     last = len(chunks) - 1
-    for i, chunk in enumerate(chunks):
-        hit = store.get(chunk.key) if store is not None else None
-        if hit is not None and (i < last or not need_logits or hit.chunk.last_logits is not None):
-            assembler.append(cache, hit.chunk.kv)
-            cached[hit.tier] += chunk.num_tokens
-            logits = hit.chunk.last_logits
-            continue
-        logits = compute_chunk(
-            assembler, cache, token_ids, chunks, i,
-            store=store, need_logits=need_logits and i == last, store_logits=store_last_logits and i == last,
-        )
-        recomputed += chunk.num_tokens
-        stored += chunk.num_tokens if store is not None else 0
+    with holding_writes(assembler):
+        for i, chunk in enumerate(chunks):
+            hit = store.get(chunk.key) if store is not None else None
+            if hit is not None and (i < last or not need_logits or hit.chunk.last_logits is not None):
+                assembler.append(cache, hit.chunk.kv)
+                cached[hit.tier] += chunk.num_tokens
+                logits = hit.chunk.last_logits
+                continue
+            logits = compute_chunk(
+                assembler, cache, token_ids, chunks, i,
+                store=store, need_logits=need_logits and i == last, store_logits=store_last_logits and i == last,
+            )
+            recomputed += chunk.num_tokens
+            stored += chunk.num_tokens if store is not None else 0
     assert logits is not None or not need_logits  # chunks is never empty: the canonicalizer refuses empty prompts
     return PrefillOutcome(cache, logits, cached, recomputed, stored)
 

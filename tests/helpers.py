@@ -184,3 +184,17 @@ def run_while_ticking(make_coroutine, tick_s: float = 0.005):
         return result, ticks, elapsed
 
     return asyncio.run(main())
+
+
+def assert_same_chunk(a, b) -> None:
+    """Two ``StoredChunk`` objects hold the same bits (KV, last logits) and the same tokens and parent."""
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(-1).view(torch.uint8)
+
+    assert a.kv.dtype == b.kv.dtype and a.kv.shape == b.kv.shape
+    assert torch.equal(bits(a.kv), bits(b.kv))
+    assert (a.last_logits is None) == (b.last_logits is None)
+    if a.last_logits is not None:
+        assert torch.equal(bits(a.last_logits), bits(b.last_logits))
+    assert a.token_ids == b.token_ids and a.parent_key == b.parent_key

@@ -12,15 +12,12 @@
 
 from __future__ import annotations
 
-import atexit
 import errno
 import logging
 import os
-import queue
 import sqlite3
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +27,7 @@ import diskcache
 from ..errors import StoreError
 from .base import Hit, KVStore, StoredChunk, TierStats
 from .serialization import CorruptEntryError, decode, encode
+from .writer import BackgroundWriter, close_at_exit, closed
 
 logger = logging.getLogger(__name__)
 
@@ -106,15 +104,6 @@ class _Index:
             self._con.close()
 
 
-_OPEN_STORES: weakref.WeakSet[DiskStore] = weakref.WeakSet()
-
-
-@atexit.register
-def _flush_open_stores() -> None:
-    for store in list(_OPEN_STORES):
-        store.close()
-
-
 class DiskStore(KVStore):
     """Persistent tier for one namespace in ``directory``.
 
@@ -153,13 +142,9 @@ class DiskStore(KVStore):
         self._stats = TierStats()
         self._stats_lock = threading.Lock()
         self._disabled_reason: str | None = None
-        self._queue: queue.Queue[tuple | None] = queue.Queue()
-        self._writer: threading.Thread | None = None
-        if background_writes:
-            self._writer = threading.Thread(target=self._write_loop, name="kvboost-disk-writer", daemon=True)
-            self._writer.start()
+        self._writer = BackgroundWriter(self._apply, name="kvboost-disk-writer", background=background_writes)
         self._closed = False
-        _OPEN_STORES.add(self)
+        close_at_exit(self)
 
     # -- KVStore -----------------------------------------------------------------------------
 
@@ -188,12 +173,12 @@ class DiskStore(KVStore):
                 self._stats.hits += 1
         if chunk is None:
             return None
-        self._submit(("touch", key, time.time()))
+        self._writer.submit(("touch", key, time.time()))
         return Hit(chunk, self.name)
 
     def put(self, key: str, chunk: StoredChunk, *, cost: float = 1.0, pin: bool = False) -> None:
         if self._disabled_reason is None:
-            self._submit(("put", key, chunk, cost, pin))
+            self._writer.submit(("put", key, chunk, cost, pin))
 
     def contains(self, key: str) -> bool:
         return key in self._cache
@@ -217,20 +202,16 @@ class DiskStore(KVStore):
         return {self.name: s}
 
     def flush(self) -> None:
-        if self._writer is not None and self._writer.is_alive():
-            self._queue.join()
+        self._writer.flush()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self.flush()
-        if self._writer is not None and self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join(timeout=30)
+        self._writer.close()
         self._cache.close()
         self._index.close()
-        _OPEN_STORES.discard(self)
+        closed(self)
 
     # -- maintenance -------------------------------------------------------------------------
 
@@ -302,24 +283,6 @@ class DiskStore(KVStore):
         return len(doomed)
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _submit(self, item: tuple) -> None:
-        if self._writer is None:
-            self._apply(item)
-        else:
-            self._queue.put(item)
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                self._apply(item)
-            except Exception:  # a failed background write must never take the thread down
-                logger.exception("disk tier background write failed")
-            finally:
-                self._queue.task_done()
 
     def _apply(self, item: tuple) -> None:
         if item[0] == "touch":

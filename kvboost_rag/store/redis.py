@@ -28,13 +28,10 @@ the scripts touch keys of one namespace that may live in different cluster slots
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import logging
-import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -45,6 +42,7 @@ from redis.retry import Retry
 from ..registry import ANCHOR_CHARS, Source
 from .base import Hit, KVStore, StoredChunk, TierStats
 from .serialization import CorruptEntryError, decode, encode
+from .writer import BackgroundWriter, close_at_exit, closed
 
 logger = logging.getLogger(__name__)
 
@@ -216,15 +214,6 @@ class _Warnings:
         logger.warning(msg, *args)
 
 
-_OPEN_STORES: weakref.WeakSet[RedisStore] = weakref.WeakSet()
-
-
-@atexit.register
-def _flush_open_stores() -> None:
-    for store in list(_OPEN_STORES):
-        store.close()
-
-
 class RedisStore(KVStore):
     """Shared remote tier for one namespace on a Redis server.
 
@@ -327,15 +316,12 @@ class RedisStore(KVStore):
         self._warnings = _Warnings(warn_every_s)
         self._stats = TierStats(extra=dict.fromkeys(_EXTRA_COUNTERS, 0))
         self._stats_lock = threading.Lock()
-        self.max_pending_bytes = max_pending_bytes
-        self._pending_bytes = 0
-        self._queue: queue.Queue[tuple | None] = queue.Queue(maxsize=max_pending_writes)
-        self._writer: threading.Thread | None = None
-        if background_writes:
-            self._writer = threading.Thread(target=self._write_loop, name="kvboost-redis-writer", daemon=True)
-            self._writer.start()
+        self._writer = BackgroundWriter(
+            self._apply, name="kvboost-redis-writer", background=background_writes,
+            max_items=max_pending_writes, max_bytes=max_pending_bytes,
+        )
         self._closed = False
-        _OPEN_STORES.add(self)
+        close_at_exit(self)
 
     # -- KVStore -----------------------------------------------------------------------------
 
@@ -356,25 +342,13 @@ class RedisStore(KVStore):
                 self._stats.hits += 1
         if chunk is None:
             return None
-        self._submit(("touch", key, time.time()))
+        self._writer.submit(("touch", key, time.time()))
         return Hit(chunk, self.name)
 
     def put(self, key: str, chunk: StoredChunk, *, cost: float = 1.0, pin: bool = False) -> None:
         if self._closed:
             return
-        if self._writer is None:
-            self._apply_safely(("put", key, chunk, pin))
-            return
-        nbytes = chunk.nbytes
-        with self._stats_lock:
-            # Always take one write, however big, so a huge chunk is not dropped forever.
-            full = self._pending_bytes > 0 and self._pending_bytes + nbytes > self.max_pending_bytes
-            if not full:
-                self._pending_bytes += nbytes
-        if full or not self._submit(("put", key, chunk, pin, nbytes)):
-            if not full:
-                with self._stats_lock:
-                    self._pending_bytes -= nbytes
+        if not self._writer.submit(("put", key, chunk, pin), chunk.nbytes):
             self._count("dropped_writes")
             self._warnings.warn(
                 "queue",
@@ -421,22 +395,18 @@ class RedisStore(KVStore):
         return {self.name: s}
 
     def flush(self) -> None:
-        if self._writer is not None and self._writer.is_alive():
-            self._queue.join()
+        self._writer.flush()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self.flush()
-        if self._writer is not None and self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join(timeout=30)
+        self._writer.close()
         try:
             self._client.close()
         except Exception:  # closing sockets of a server that went away: nothing left to do
             pass
-        _OPEN_STORES.discard(self)
+        closed(self)
 
     # -- maintenance -------------------------------------------------------------------------
 
@@ -497,35 +467,6 @@ class RedisStore(KVStore):
             what, self.server, type(e).__name__, e, pause,
         )
 
-    def _submit(self, item: tuple) -> bool:
-        if self._writer is None:
-            self._apply_safely(item)
-            return True
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            return False
-        return True
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                self._apply_safely(item)
-            finally:
-                if item is not None and item[0] == "put":
-                    with self._stats_lock:
-                        self._pending_bytes -= item[-1]
-                self._queue.task_done()
-
-    def _apply_safely(self, item: tuple) -> None:
-        try:
-            self._apply(item)
-        except Exception:  # a failed cache write must never take the writer (or a request) down
-            logger.exception("redis tier write failed")
-
     def _apply(self, item: tuple) -> None:
         kind = item[0]
         try:
@@ -570,7 +511,7 @@ class RedisStore(KVStore):
             "corrupt", "redis tier entry %s… is unusable (%s); removed, it will be recomputed",
             key[:12], reason,
         )
-        self._submit(("drop", key))
+        self._writer.submit(("drop", key))
 
     def _reap_expired(self) -> None:
         """Forget the size and access records of entries whose payload expired (keeps the totals right)."""
@@ -603,7 +544,7 @@ class RedisRecords:
     def publish_documents(self, texts: Sequence[str]) -> None:
         """Add document texts (already normalized) to the namespace's shared list."""
         texts = [t for t in dict.fromkeys(texts) if len(t) >= ANCHOR_CHARS]
-        if texts and not self._store._submit(("documents", texts)):
+        if texts and not self._store._writer.submit(("documents", texts)):
             self._store._count("dropped_writes")
 
     def new_documents(self) -> list[str]:
@@ -630,7 +571,7 @@ class RedisRecords:
 
     def publish_sources(self, sources: Mapping[str, Source]) -> None:
         """Record where document chunks are stored, by content key (blend mode)."""
-        if sources and not self._store._submit(("sources", dict(sources))):
+        if sources and not self._store._writer.submit(("sources", dict(sources))):
             self._store._count("dropped_writes")
 
     def source(self, content_key: str) -> Source | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import diskcache
 import pytest
 import torch
+from helpers import assert_same_chunk
 
 from kvboost_rag.errors import StoreError
 from kvboost_rag.store.base import StoredChunk
@@ -32,18 +33,6 @@ def chunk(tokens=4, fill=None, dtype=torch.float32, logits=False, seed=0):
     shape = (2, 2, 2, tokens, 32)
     kv = torch.randn(shape, generator=g).to(dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
     return StoredChunk(kv, torch.randn(50, generator=g) if logits else None)
-
-
-def bits(t):
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
-def assert_same(a: StoredChunk, b: StoredChunk) -> None:
-    assert a.kv.dtype == b.kv.dtype and a.kv.shape == b.kv.shape
-    assert torch.equal(bits(a.kv), bits(b.kv))
-    assert (a.last_logits is None) == (b.last_logits is None)
-    if a.last_logits is not None:
-        assert torch.equal(bits(a.last_logits), bits(b.last_logits))
 
 
 def disk_stats(store):
@@ -84,7 +73,7 @@ def test_put_flush_get_round_trip_is_bitwise(store, dtype, tokens):
     assert store.contains(key(1))
     hit = store.get(key(1))
     assert hit is not None and hit.tier == "disk"
-    assert_same(hit.chunk, c)
+    assert_same_chunk(hit.chunk, c)
     assert hit.chunk.kv.device.type == "cpu"
 
 
@@ -139,10 +128,10 @@ def test_background_writes_false_is_synchronous(store_dir):
         store.put(key(1), c)
         # no flush: the write already happened
         assert store.contains(key(1))
-        assert_same(store.get(key(1)).chunk, c)
+        assert_same_chunk(store.get(key(1)).chunk, c)
         other = DiskStore(store_dir, namespace=NS, background_writes=False)
         try:
-            assert_same(other.get(key(1)).chunk, c)
+            assert_same_chunk(other.get(key(1)).chunk, c)
         finally:
             other.close()
         s = disk_stats(store)
@@ -164,8 +153,8 @@ def test_entries_survive_close_and_reopen(store_dir):
     second = DiskStore(store_dir, namespace=NS)
     try:
         assert second.contains(key(1)) and second.contains(key(2))
-        assert_same(second.get(key(1)).chunk, small)
-        assert_same(second.get(key(2)).chunk, big)
+        assert_same_chunk(second.get(key(1)).chunk, small)
+        assert_same_chunk(second.get(key(2)).chunk, big)
         s = disk_stats(second)
         assert s.entries == 2 and s.pinned == 1
         assert sorted(second.keys()) == [key(1), key(2)]
@@ -181,7 +170,7 @@ def test_two_open_stores_see_each_others_writes(store_dir):
         assert b.get(key(1)) is None
         a.put(key(1), c)
         a.flush()
-        assert_same(b.get(key(1)).chunk, c)
+        assert_same_chunk(b.get(key(1)).chunk, c)
     finally:
         a.close()
         b.close()
@@ -251,11 +240,11 @@ def test_damaged_payload_file_is_a_counted_logged_removed_miss(store, store_dir,
     assert store.get(key(1)) is None
     assert disk_stats(store).extra.get("corrupt") == 1
     # the other entry is untouched, and the key can be stored again
-    assert_same(store.get(key(2)).chunk, good)
+    assert_same_chunk(store.get(key(2)).chunk, good)
     fresh = chunk(BIG_TOKENS, seed=8)
     store.put(key(1), fresh)
     store.flush()
-    assert_same(store.get(key(1)).chunk, fresh)
+    assert_same_chunk(store.get(key(1)).chunk, fresh)
 
 
 def test_damaged_inline_entry_is_a_miss(store, store_dir, caplog):
@@ -288,7 +277,7 @@ def test_foreign_namespace_entry_is_a_miss_then_can_be_stored(store_dir, caplog)
         assert caplog.records
         b.put(key(1), ours)
         b.flush()
-        assert_same(b.get(key(1)).chunk, ours)
+        assert_same_chunk(b.get(key(1)).chunk, ours)
         assert list(b.keys()) == [key(1)]
         assert disk_stats(b).entries == 1
         assert b.namespaces() == {"B": (1, entry_bytes(key(1), ours, "B"))}
@@ -308,7 +297,7 @@ def test_overwriting_a_foreign_entry_moves_it_to_the_new_namespace(store_dir):
         ours = chunk(8, seed=11)
         b.put(key(1), ours)  # without reading A's entry first
         b.flush()
-        assert_same(b.get(key(1)).chunk, ours)
+        assert_same_chunk(b.get(key(1)).chunk, ours)
         assert list(b.keys()) == [key(1)]
         assert disk_stats(b).entries == 1
         assert b.drop_namespaces({"B"}) == 0
@@ -396,7 +385,7 @@ def test_pinned_entries_are_never_evicted(budget_store):
         budget_store.flush()
         assert budget_store.contains(key(100))
         assert disk_stats(budget_store).bytes <= budget_store.max_bytes
-    assert_same(budget_store.get(key(100)).chunk, chunk(4, seed=100))
+    assert_same_chunk(budget_store.get(key(100)).chunk, chunk(4, seed=100))
     assert disk_stats(budget_store).pinned == 1
 
 
@@ -517,7 +506,7 @@ def test_clear(store, store_dir):
 
 def test_read_checked(three_namespaces):
     a = three_namespaces["A"]
-    assert_same(a.read_checked("B-1", "B"), chunk(4, seed=1))
+    assert_same_chunk(a.read_checked("B-1", "B"), chunk(4, seed=1))
     with pytest.raises(CorruptEntryError):
         a.read_checked("B-1", "A")
     with pytest.raises(CorruptEntryError):
@@ -610,7 +599,7 @@ def test_full_disk_turns_the_tier_off(store_dir, monkeypatch, caplog, background
         assert not store.contains(key(2)) and not store.contains(key(3))
         assert disk_stats(store).puts == 1
         # reads still work
-        assert_same(store.get(key(1)).chunk, early)
+        assert_same_chunk(store.get(key(1)).chunk, early)
         assert store.get(key(3)) is None
     finally:
         store.close()
@@ -658,9 +647,10 @@ def test_a_replace_racing_a_read_does_not_delete_the_new_entry(store_dir):
         disk.fetch = types.MethodType(fetch_racing_a_replace, disk)
         hit = reader.get(key(1))
         assert raced and raced[0] is not None
-        assert hit is None or torch.equal(bits(hit.chunk.kv), bits(new.kv))
+        if hit is not None:  # served after the replace: then it is the new entry, whole
+            assert_same_chunk(hit.chunk, new)
         assert writer.contains(key(1)), "the freshly stored entry was deleted by the racing reader"
-        assert_same(writer.get(key(1)).chunk, new)
+        assert_same_chunk(writer.get(key(1)).chunk, new)
     finally:
         reader.close()
         writer.close()

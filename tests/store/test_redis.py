@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers import tiny_model, tiny_tokenizer
+from helpers import assert_same_chunk, tiny_model, tiny_tokenizer
 
 from kvboost_rag import EngineConfig, KVBoostEngine
 from kvboost_rag.canonical import Segment
@@ -172,19 +172,6 @@ def chunk(tokens=4, dtype=torch.float32, logits=False, seed=0) -> StoredChunk:
     )
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
-def assert_same(a: StoredChunk, b: StoredChunk) -> None:
-    assert a.kv.dtype == b.kv.dtype and a.kv.shape == b.kv.shape
-    assert torch.equal(bits(a.kv), bits(b.kv))
-    assert (a.last_logits is None) == (b.last_logits is None)
-    if a.last_logits is not None:
-        assert torch.equal(bits(a.last_logits), bits(b.last_logits))
-    assert a.token_ids == b.token_ids and a.parent_key == b.parent_key
-
-
 def redis_stats(store: RedisStore):
     return store.stats()["redis"]
 
@@ -207,7 +194,7 @@ def test_round_trip_is_bitwise(store, dtype):
     assert store.contains(key(1))
     hit = store.get(key(1))
     assert hit is not None and hit.tier == "redis"
-    assert_same(hit.chunk, c)
+    assert_same_chunk(hit.chunk, c)
     s = redis_stats(store)
     assert (s.hits, s.misses, s.puts, s.entries) == (1, 1, 1, 1)
     assert s.bytes == len(encode(c, NS, key(1)))
@@ -250,7 +237,7 @@ def test_replacing_a_key_serves_the_new_value_and_keeps_the_byte_total(store):
     store.put(key(1), chunk(4, seed=1))
     store.put(key(1), chunk(8, seed=2))
     store.flush()
-    assert_same(store.get(key(1)).chunk, chunk(8, seed=2))
+    assert_same_chunk(store.get(key(1)).chunk, chunk(8, seed=2))
     s = redis_stats(store)
     assert s.entries == 1 and s.bytes == len(encode(chunk(8, seed=2), NS, key(1)))
 
@@ -340,7 +327,7 @@ def test_garbage_values_are_counted_misses_and_removed(store, raw, caplog):
     assert not any(raw.exists(f"kvboost:{NS}:{key(i)}") for i in (2, 3, 4, 5))
     assert "unusable" in caplog.text
     assert len([r for r in caplog.records if r.name == LOGGER]) == 1, "warnings are rate-limited"
-    assert_same(store.get(key(1)).chunk, good), "the good entry is untouched and Redis was not written off"
+    assert_same_chunk(store.get(key(1)).chunk, good), "the good entry is untouched and Redis was not written off"
 
 
 def test_a_hung_server_is_a_miss_within_the_timeout(blackhole, caplog):
