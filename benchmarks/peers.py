@@ -96,7 +96,6 @@ class LlamaCppPeer:
     def __init__(self, n_ctx: int, cache_dir: str | None = None) -> None:
         import llama_cpp
 
-        self.llama_cpp = llama_cpp
         self.llm = llama_cpp.Llama(
             model_path=str(smollm2_gguf()), n_ctx=n_ctx, n_threads=torch.get_num_threads(),
             n_batch=512, verbose=False, seed=0,

@@ -193,10 +193,13 @@ def block() -> list[str]:
                for name, _, _ in SECTIONS if (BENCH / f"{name}.json").exists()}
     suite = json.loads((BENCH / "suite.json").read_text()) if (BENCH / "suite.json").exists() else None
     m = (suite or next(iter(results.values())))["machine"]
+    dtype = results["ttft"]["rows"][0]["dtype"] if "ttft" in results else "auto"
+    if dtype == "float32" and not {"avx512_bf16", "amx_bf16"} & set(m.get("cpu_features", [])):
+        dtype += ' (the engine\'s `dtype="auto"` here: this CPU has no native bfloat16)'
     lines = [START,
              f"Measured on {m['cpu_count']} CPU cores ({m['processor']}; {', '.join(m.get('cpu_features', [])) or 'n/a'}), "
-             f"torch {m['torch']}, transformers {m['transformers']}, SmolLM2-135M-Instruct "
-             "(and Qwen2.5-0.5B for blend); every variant runs side by side in each repetition and ratios are "
+             f"torch {m['torch']}, transformers {m['transformers']}, SmolLM2-135M-Instruct in {dtype}, "
+             "and Qwen2.5-0.5B for blend; every variant runs side by side in each repetition and ratios are "
              "medians of per-repetition ratios. Reproduce with `make bench` (`make bench QUICK=1` for a short run); "
              "JSON with quartiles and every sample, and plots, in `docs/benchmarks/`.", ""]
     lines += ["Targets:", "", *targets(results), ""]

@@ -6,8 +6,8 @@
 
 Each workload runs as its own process (a clean allocator and page cache state per script,
 and one crash does not take the others down). ``suite.json`` (``suite-quick.json``) records
-the machine, package versions, the commit, and per workload its command, exit code and
-wall time. A full run ends by rewriting the README's results section (``report.py``).
+the machine, package versions, and per workload its command, exit code, wall time and
+the commit it ran. A full run ends by rewriting the README's results section (``report.py``).
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def main() -> int:
     parser.add_argument("--no-report", action="store_true", help="leave the README's results section as it is")
     args = parser.parse_args()
     names = args.only or list(WORKLOADS)
+    revision = commit()
     runs = []
     for name in names:
         cmd = [sys.executable, str(HERE / WORKLOADS[name][1 if args.quick else 0][0]),
@@ -80,11 +81,11 @@ def main() -> int:
         code = subprocess.run(cmd, cwd=HERE.parent).returncode
         runs.append({"workload": name, "command": " ".join(["python", *(Path(c).name if c.endswith('.py') else c
                                                                          for c in cmd[1:])]),
-                     "exit_code": code, "seconds": time.perf_counter() - t0})
+                     "exit_code": code, "seconds": time.perf_counter() - t0, "commit": revision})
         print(f"== {name}: exit {code} in {runs[-1]['seconds']:.0f} s", flush=True)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     suite = RESULTS_DIR / ("suite-quick.json" if args.quick else "suite.json")
-    record = {"machine": machine(), "versions": versions(), "commit": commit(), "quick": args.quick, "runs": runs}
+    record = {"machine": machine(), "versions": versions(), "quick": args.quick, "runs": runs}
     if suite.exists() and args.only:  # a partial run updates its workloads, keeps the others' records
         earlier = json.loads(suite.read_text())
         record["runs"] = [r for r in earlier.get("runs", []) if r["workload"] not in names] + runs
