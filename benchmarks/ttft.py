@@ -55,7 +55,10 @@ def bench_dtype(dtype: str, lengths: list[int], reps: int, text: str, chunk_size
         with tempfile.TemporaryDirectory() as store_dir, tempfile.TemporaryDirectory() as llama_dir:
             engine = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=chunk_size), store_dir=store_dir)
             memory, disk = engine.store.tiers
-            ids_of = lambda prompt: engine.canonicalize(prompt).token_ids  # noqa: E731
+
+            def ids_of(prompt: list[Segment]) -> list[int]:
+                return engine.canonicalize(prompt).token_ids
+
             # One untimed round for allocator and kernel warm-up.
             first = [Segment(doc, "document"), Segment(QUESTIONS[0])]
             engine.generate(first, max_new_tokens=1)

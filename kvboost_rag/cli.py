@@ -44,6 +44,8 @@ def _engine(args: argparse.Namespace, store_dir: str | None) -> Any:
     overrides = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
     if getattr(args, "redis_url", None):
         overrides["redis_url"] = args.redis_url
+    if getattr(args, "batch_window_ms", None) is not None:
+        overrides["batch_window_ms"] = args.batch_window_ms
     return KVBoostEngine.from_pretrained(args.model, dtype=args.dtype, store_dir=store_dir, **overrides)
 
 
@@ -314,10 +316,6 @@ def _serve(args: argparse.Namespace) -> int:
     from .server import serve
 
     engine = _engine(args, args.store)
-    if args.batch_window_ms is not None:
-        # the scheduler reads the window when the first request arrives, so setting it before serving is enough
-        engine.config = type(engine.config).model_validate(
-            engine.config.model_dump() | {"batch_window_ms": args.batch_window_ms})
     # serve() closes the engine on shutdown (flushing pending store writes)
     serve(
         engine, host=args.host, port=args.port, log_level=args.log_level,
@@ -329,8 +327,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": _generate, "prewarm": _prewarm, "stats": _stats, "verify": _verify, "gc": _gc,
-            "clear": _clear}
-COMMANDS["serve"] = _serve
+            "clear": _clear, "serve": _serve}
 
 
 def main(argv: list[str] | None = None) -> int:
