@@ -14,8 +14,12 @@ exact-match accuracy against the planted fact, TTFT (median and quartiles), and 
 speedup over exact mode measured on the same prompt. Target: >= 98 % agreement at
 >= 4x TTFT over exact mode.
 
+For scale, each model also answers every question in exact mode with the same passages
+in another order (``exact_reordered``): how often a model agrees with itself when only the
+retrieval order changes is the noise level that any agreement figure sits on.
+
     python benchmarks/blend_quality.py [--models smollm2-135m-instruct qwen2.5-coder-0.5b-instruct]
-        [--questions 30 12] [--ratios 0 0.05 0.15 0.3] [--passage-tokens 250] [--quick]
+        [--questions 30 24] [--ratios 0 0.05 0.15 0.3] [--passage-tokens 250] [--quick]
 """
 
 from __future__ import annotations
@@ -85,6 +89,14 @@ def messages(passages: list[str], q: dict) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_message(docs, q["question"])}]
 
 
+def reordered(q: dict, rng: random.Random) -> dict:
+    """``q`` with the same passages in another order."""
+    order = list(q["docs"])
+    while order == q["docs"]:
+        rng.shuffle(order)
+    return {**q, "docs": order}
+
+
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     p = torch.log_softmax(p_logits.double(), -1)
     q = torch.log_softmax(q_logits.double(), -1)
@@ -105,6 +117,8 @@ def run_model(name: str, n_questions: int, args: argparse.Namespace) -> dict[str
     print(f"{name}: pre-warmed {report.documents} passages, {report.tokens} tokens in {report.seconds:.1f} s", flush=True)
     modes = [f"blend_{int(r * 100)}" for r in args.ratios]
     per_mode: dict[str, dict[str, list]] = {m: {k: [] for k in ("ttft", "speedup", "agree", "same_text", "top1", "kl", "correct", "approx", "select_s")} for m in [*modes, "exact"]}
+    reference: dict[str, list] = {k: [] for k in ("agree", "same_text", "top1", "kl", "correct")}
+    order_rng = random.Random(args.seed + 1)
     records: list[dict[str, Any]] = []
     for n, q in enumerate(questions):
         prompt = messages(passages, q)
@@ -116,10 +130,18 @@ def run_model(name: str, n_questions: int, args: argparse.Namespace) -> dict[str
                 return_logits=True,
             )
         exact = engine.generate(prompt, reuse="exact", max_new_tokens=args.max_new_tokens, stop=STOPS, return_logits=True)
+        other = engine.generate(messages(passages, reordered(q, order_rng)), reuse="exact",
+                                max_new_tokens=args.max_new_tokens, stop=STOPS, return_logits=True)
+        reference["agree"].append(answer_of(other.text) == answer_of(exact.text))
+        reference["same_text"].append(other.text == exact.text)
+        reference["top1"].append(int(other.first_logits.argmax()) == int(exact.first_logits.argmax()))
+        reference["kl"].append(kl(exact.first_logits, other.first_logits))
+        reference["correct"].append(answer_of(other.text) == q["answer"])
         records.append({
             "docs": len(q["docs"]), "prompt_tokens": exact.usage.prompt_tokens, "answer": q["answer"],
             **{mode: {"text": r.text, "ttft_s": r.timings.ttft_s, "approx_tokens": r.usage.approx_tokens}
                for mode, r in [*blends.items(), ("exact", exact)]},
+            "exact_reordered": {"text": other.text},
         })
         for mode, r in [*blends.items(), ("exact", exact)]:
             row = per_mode[mode]
@@ -158,6 +180,16 @@ def run_model(name: str, n_questions: int, args: argparse.Namespace) -> dict[str
                 for d in sorted({len(q["docs"]) for q in questions})
             },
         })
+    rows.append({
+        "model": name,
+        "mode": "exact_reordered",
+        "questions": len(reference["agree"]),
+        "answer_agreement": statistics.mean(reference["agree"]),
+        "text_agreement": statistics.mean(reference["same_text"]),
+        "top1_agreement": statistics.mean(reference["top1"]),
+        "kl_first_token": summary(reference["kl"]),
+        "exact_match_accuracy": statistics.mean(reference["correct"]),
+    })
     return {"model": name, "rows": rows, "questions": records}
 
 
@@ -169,9 +201,12 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
     fig, (ax_a, ax_s) = plt.subplots(1, 2, figsize=(11, 4))
     for res in results:
-        rows = [r for r in res["rows"] if r["mode"] != "exact"]
+        rows = [r for r in res["rows"] if r["mode"].startswith("blend")]
+        own = next(r for r in res["rows"] if r["mode"] == "exact_reordered")
         ratios = [int(r["mode"].split("_")[1]) for r in rows]
-        ax_a.plot(ratios, [100 * r["answer_agreement"] for r in rows], marker="o", label=f"{res['model']} answers")
+        (line,) = ax_a.plot(ratios, [100 * r["answer_agreement"] for r in rows], marker="o", label=f"{res['model']} answers")
+        ax_a.axhline(100 * own["answer_agreement"], color=line.get_color(), linestyle="-.", linewidth=0.8,
+                     label=f"{res['model']} exact, documents reordered")
         ax_a.plot(ratios, [100 * r["top1_agreement"] for r in rows], marker="x", linestyle="--", label=f"{res['model']} top-1")
         speed = [r["speedup_vs_exact"] for r in rows]
         ax_s.errorbar(ratios, [s["median"] for s in speed],
@@ -190,7 +225,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
-    parser.add_argument("--questions", type=int, nargs="+", default=[30, 12],
+    parser.add_argument("--questions", type=int, nargs="+", default=[30, 24],
                         help="questions per model, in --models order (the last count repeats)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.05, 0.15, 0.3])
     parser.add_argument("--passage-tokens", type=int, default=250)
@@ -214,6 +249,10 @@ def main() -> None:
     plot(results, args.out.with_suffix(".png"))
     for res in results:
         for r in res["rows"]:
+            if r["mode"] == "exact_reordered":
+                print(f"{r['model']:<30} exact, documents reordered: agree {100 * r['answer_agreement']:5.1f}%  "
+                      f"top1 {100 * r['top1_agreement']:5.1f}%  KL {r['kl_first_token']['median']:.4f}")
+                continue
             print(f"{r['model']:<30} {r['mode']:<9} agree {100 * r['answer_agreement']:5.1f}%  top1 {100 * r['top1_agreement']:5.1f}%  "
                   f"KL {r['kl_first_token']['median']:.4f}  acc {100 * r['exact_match_accuracy']:5.1f}%  "
                   f"TTFT {r['ttft_s']['median']:.3f}s  speedup {r['speedup_vs_exact']['median']:.2f}x")
