@@ -97,6 +97,17 @@ def reordered(q: dict, rng: random.Random) -> dict:
     return {**q, "docs": order}
 
 
+def against(r: Any, exact: Any, answer: str) -> dict[str, Any]:
+    """How reply ``r`` compares with the exact-mode reply to the same question."""
+    return {
+        "agree": answer_of(r.text) == answer_of(exact.text),
+        "same_text": r.text == exact.text,
+        "top1": int(r.first_logits.argmax()) == int(exact.first_logits.argmax()),
+        "kl": kl(exact.first_logits, r.first_logits),
+        "correct": answer_of(r.text) == answer,
+    }
+
+
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     p = torch.log_softmax(p_logits.double(), -1)
     q = torch.log_softmax(q_logits.double(), -1)
@@ -132,11 +143,8 @@ def run_model(name: str, n_questions: int, args: argparse.Namespace) -> dict[str
         exact = engine.generate(prompt, reuse="exact", max_new_tokens=args.max_new_tokens, stop=STOPS, return_logits=True)
         other = engine.generate(messages(passages, reordered(q, order_rng)), reuse="exact",
                                 max_new_tokens=args.max_new_tokens, stop=STOPS, return_logits=True)
-        reference["agree"].append(answer_of(other.text) == answer_of(exact.text))
-        reference["same_text"].append(other.text == exact.text)
-        reference["top1"].append(int(other.first_logits.argmax()) == int(exact.first_logits.argmax()))
-        reference["kl"].append(kl(exact.first_logits, other.first_logits))
-        reference["correct"].append(answer_of(other.text) == q["answer"])
+        for key, value in against(other, exact, q["answer"]).items():
+            reference[key].append(value)
         records.append({
             "docs": len(q["docs"]), "prompt_tokens": exact.usage.prompt_tokens, "answer": q["answer"],
             **{mode: {"text": r.text, "ttft_s": r.timings.ttft_s, "approx_tokens": r.usage.approx_tokens}
@@ -147,11 +155,8 @@ def run_model(name: str, n_questions: int, args: argparse.Namespace) -> dict[str
             row = per_mode[mode]
             row["ttft"].append(r.timings.ttft_s)
             row["speedup"].append(exact.timings.ttft_s / r.timings.ttft_s)
-            row["agree"].append(answer_of(r.text) == answer_of(exact.text))
-            row["same_text"].append(r.text == exact.text)
-            row["top1"].append(int(r.first_logits.argmax()) == int(exact.first_logits.argmax()))
-            row["kl"].append(kl(exact.first_logits, r.first_logits))
-            row["correct"].append(answer_of(r.text) == q["answer"])
+            for key, value in against(r, exact, q["answer"]).items():
+                row[key].append(value)
             row["approx"].append(r.usage.approx_tokens / r.usage.prompt_tokens)
             row["select_s"].append(r.timings.select_s)
         print(
