@@ -165,17 +165,21 @@ def run_model(name: str, n_questions: int, args: argparse.Namespace) -> dict[str
             flush=True,
         )
     engine.close()
-    rows = []
-    for mode, row in per_mode.items():
-        rows.append({
+    def agreement(mode: str, row: dict[str, list]) -> dict[str, Any]:
+        return {
             "model": name,
             "mode": mode,
-            "questions": len(row["ttft"]),
+            "questions": len(row["agree"]),
             "answer_agreement": statistics.mean(row["agree"]),
             "text_agreement": statistics.mean(row["same_text"]),
             "top1_agreement": statistics.mean(row["top1"]),
             "kl_first_token": summary(row["kl"]),
             "exact_match_accuracy": statistics.mean(row["correct"]),
+        }
+
+    rows = [
+        {
+            **agreement(mode, row),
             "ttft_s": summary(row["ttft"]),
             "speedup_vs_exact": summary(row["speedup"]),
             "approx_share": statistics.mean(row["approx"]),
@@ -184,17 +188,10 @@ def run_model(name: str, n_questions: int, args: argparse.Namespace) -> dict[str
                 str(d): summary([s for s, q in zip(row["speedup"], questions, strict=True) if len(q["docs"]) == d])
                 for d in sorted({len(q["docs"]) for q in questions})
             },
-        })
-    rows.append({
-        "model": name,
-        "mode": "exact_reordered",
-        "questions": len(reference["agree"]),
-        "answer_agreement": statistics.mean(reference["agree"]),
-        "text_agreement": statistics.mean(reference["same_text"]),
-        "top1_agreement": statistics.mean(reference["top1"]),
-        "kl_first_token": summary(reference["kl"]),
-        "exact_match_accuracy": statistics.mean(reference["correct"]),
-    })
+        }
+        for mode, row in per_mode.items()
+    ]
+    rows.append(agreement("exact_reordered", reference))
     return {"model": name, "rows": rows, "questions": records}
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -56,6 +58,38 @@ class TierStats:
     def hit_rate(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
+
+
+class TierCounters:
+    """A tier's running counts (hits, misses, puts, evictions and named extras), safe from any thread.
+
+    >>> c = TierCounters(extra=["corrupt"])
+    >>> c.read(found=False); c.add("corrupt")
+    >>> s = c.snapshot(); (s.misses, s.extra)
+    (1, {'corrupt': 1})
+    """
+
+    _FIELDS = frozenset({"hits", "misses", "puts", "evictions"})
+
+    def __init__(self, extra: Iterable[str] = ()) -> None:
+        self._stats = TierStats(extra=dict.fromkeys(extra, 0))
+        self._lock = threading.Lock()
+
+    def add(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to ``hits``, ``misses``, ``puts``, ``evictions`` or the extra counter ``name``."""
+        with self._lock:
+            if name in self._FIELDS:
+                setattr(self._stats, name, getattr(self._stats, name) + n)
+            else:
+                self._stats.extra[name] = self._stats.extra.get(name, 0) + n
+
+    def read(self, *, found: bool) -> None:
+        self.add("hits" if found else "misses")
+
+    def snapshot(self) -> TierStats:
+        """A copy of the counts (sizes left at zero for the tier to fill in)."""
+        with self._lock:
+            return replace(self._stats, extra=dict(self._stats.extra))
 
 
 class KVStore(ABC):

@@ -25,7 +25,7 @@ from typing import Any
 import diskcache
 
 from ..errors import StoreError
-from .base import Hit, KVStore, StoredChunk, TierStats
+from .base import Hit, KVStore, StoredChunk, TierCounters, TierStats
 from .serialization import CorruptEntryError, decode, encode
 from .writer import BackgroundWriter, close_at_exit, closed
 
@@ -139,8 +139,7 @@ class DiskStore(KVStore):
             statistics=False,
         )
         self._index = _Index(self.directory / "index.sqlite")
-        self._stats = TierStats()
-        self._stats_lock = threading.Lock()
+        self._counters = TierCounters()
         self._disabled_reason: str | None = None
         self._writer = BackgroundWriter(self._apply, name="kvboost-disk-writer", background=background_writes)
         self._closed = False
@@ -166,11 +165,7 @@ class DiskStore(KVStore):
         except (OSError, sqlite3.Error) as e:
             logger.warning("disk tier read failed for %s… (%s); treating it as a miss", key[:12], e)
             chunk = None
-        with self._stats_lock:
-            if chunk is None:
-                self._stats.misses += 1
-            else:
-                self._stats.hits += 1
+        self._counters.read(found=chunk is not None)
         if chunk is None:
             return None
         self._writer.submit(("touch", key, time.time()))
@@ -191,9 +186,7 @@ class DiskStore(KVStore):
 
     def stats(self) -> dict[str, TierStats]:
         self.flush()
-        with self._stats_lock:
-            s = TierStats(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
-            s.extra = dict(self._stats.extra)
+        s = self._counters.snapshot()
         ((entries, nbytes, pinned),) = self._index.execute(
             "SELECT COUNT(*), COALESCE(SUM(bytes), 0), COALESCE(SUM(pinned), 0) FROM entries WHERE namespace = ?",
             (self.namespace,),
@@ -278,8 +271,7 @@ class DiskStore(KVStore):
             doomed.append(key)
             total -= nbytes
         self._delete(doomed)
-        with self._stats_lock:
-            self._stats.evictions += len(doomed)
+        self._counters.add("evictions", len(doomed))
         return len(doomed)
 
     # -- internals ---------------------------------------------------------------------------
@@ -308,8 +300,7 @@ class DiskStore(KVStore):
                 logger.warning("disk tier is full (%s); continuing with the memory tier only", e)
                 return
             raise
-        with self._stats_lock:
-            self._stats.puts += 1
+        self._counters.add("puts")
         if self.max_bytes is not None:
             self.evict_to(self.max_bytes)
 
@@ -321,8 +312,7 @@ class DiskStore(KVStore):
 
     def _drop_corrupt(self, key: str, reason: str) -> None:
         logger.warning("disk tier entry %s… is unusable (%s); removed, it will be recomputed", key[:12], reason)
-        with self._stats_lock:
-            self._stats.extra["corrupt"] = self._stats.extra.get("corrupt", 0) + 1
+        self._counters.add("corrupt")
         try:
             self._delete([key])
         except (OSError, sqlite3.Error) as e:

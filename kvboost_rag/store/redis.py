@@ -40,7 +40,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..registry import ANCHOR_CHARS, Source
-from .base import Hit, KVStore, StoredChunk, TierStats
+from .base import Hit, KVStore, StoredChunk, TierCounters, TierStats
 from .serialization import CorruptEntryError, decode, encode
 from .writer import BackgroundWriter, close_at_exit, closed
 
@@ -314,8 +314,7 @@ class RedisStore(KVStore):
         self._add_documents_script = self._client.register_script(_ADD_DOCUMENTS)
         self._breaker = _Breaker(backoff_s, max_backoff_s)
         self._warnings = _Warnings(warn_every_s)
-        self._stats = TierStats(extra=dict.fromkeys(_EXTRA_COUNTERS, 0))
-        self._stats_lock = threading.Lock()
+        self._counters = TierCounters(extra=_EXTRA_COUNTERS)
         self._writer = BackgroundWriter(
             self._apply, name="kvboost-redis-writer", background=background_writes,
             max_items=max_pending_writes, max_bytes=max_pending_bytes,
@@ -335,11 +334,7 @@ class RedisStore(KVStore):
             pass
         except (CorruptEntryError, _WrongType) as e:
             self._drop_corrupt(key, str(e))
-        with self._stats_lock:
-            if chunk is None:
-                self._stats.misses += 1
-            else:
-                self._stats.hits += 1
+        self._counters.read(found=chunk is not None)
         if chunk is None:
             return None
         self._writer.submit(("touch", key, time.time()))
@@ -349,7 +344,7 @@ class RedisStore(KVStore):
         if self._closed:
             return
         if not self._writer.submit(("put", key, chunk, pin), chunk.nbytes):
-            self._count("dropped_writes")
+            self._counters.add("dropped_writes")
             self._warnings.warn(
                 "queue",
                 "redis tier write-back queue is full (Redis is slower than generation); dropped %s…",
@@ -376,9 +371,7 @@ class RedisStore(KVStore):
         self.flush()
         if self.ttl_s is not None:
             self._reap_expired()
-        with self._stats_lock:
-            s = TierStats(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
-            s.extra = dict(self._stats.extra)
+        s = self._counters.snapshot()
 
         def read_totals() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
@@ -390,8 +383,7 @@ class RedisStore(KVStore):
             s.entries, s.bytes, s.pinned = int(entries), int(nbytes or 0), int(pinned)
         except (_Unavailable, _WrongType, ValueError):
             pass  # the shared totals are unknown while Redis is away; this process's counters stand
-        with self._stats_lock:  # counted while reading the totals
-            s.extra = dict(self._stats.extra)
+        s.extra = self._counters.snapshot().extra  # counted while reading the totals
         return {self.name: s}
 
     def flush(self) -> None:
@@ -433,14 +425,10 @@ class RedisStore(KVStore):
     def _ttl_ms(self) -> int:
         return 0 if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
 
-    def _count(self, what: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self._stats.extra[what] = self._stats.extra.get(what, 0) + n
-
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """Run one Redis operation; raises :class:`_Unavailable` when skipped or failed."""
         if not self._breaker.allow():
-            self._count("skipped")
+            self._counters.add("skipped")
             raise _Unavailable
         try:
             result = fn()
@@ -460,7 +448,7 @@ class RedisStore(KVStore):
 
     def _failed(self, what: str, e: BaseException) -> None:
         pause = self._breaker.failure()
-        self._count("errors")
+        self._counters.add("errors")
         self._warnings.warn(
             "error",
             "redis tier %s at %s failed (%s: %s); skipping Redis for %.1f s, requests go on without it",
@@ -495,10 +483,9 @@ class RedisStore(KVStore):
         limit = -1 if self.max_bytes is None else self.max_bytes
         args = [data, key, time.time(), self._ttl_ms(), int(pin), limit, self._base]
         evicted, expired = self._call("write", lambda: self._put_script(keys=keys, args=args))
-        with self._stats_lock:
-            self._stats.puts += 1
-            self._stats.evictions += int(evicted)
-            self._stats.extra["expired"] += int(expired)
+        self._counters.add("puts")
+        self._counters.add("evictions", int(evicted))
+        self._counters.add("expired", int(expired))
 
     def _drop(self, key: str) -> bool:
         keys = [self._base + key, *(self._meta[m] for m in ("sizes", "lru", "bytes", "pinned"))]
@@ -506,7 +493,7 @@ class RedisStore(KVStore):
         return True
 
     def _drop_corrupt(self, key: str, reason: str) -> None:
-        self._count("corrupt")
+        self._counters.add("corrupt")
         self._warnings.warn(
             "corrupt", "redis tier entry %s… is unusable (%s); removed, it will be recomputed",
             key[:12], reason,
@@ -522,7 +509,7 @@ class RedisStore(KVStore):
             gone = self._call("stats", lambda: self._reap_script(keys=keys, args=[cutoff, self._base, 1000]))
         except (_Unavailable, _WrongType):
             return
-        self._count("expired", int(gone))
+        self._counters.add("expired", int(gone))
 
 
 class RedisRecords:
@@ -545,7 +532,7 @@ class RedisRecords:
         """Add document texts (already normalized) to the namespace's shared list."""
         texts = [t for t in dict.fromkeys(texts) if len(t) >= ANCHOR_CHARS]
         if texts and not self._store._writer.submit(("documents", texts)):
-            self._store._count("dropped_writes")
+            self._store._counters.add("dropped_writes")
 
     def new_documents(self) -> list[str]:
         """Documents added by any process since the last call; polls at most every ``registry_refresh_s``."""
@@ -566,13 +553,13 @@ class RedisRecords:
             try:
                 texts.append(item.decode("utf-8") if isinstance(item, (bytes, bytearray)) else str(item))
             except UnicodeDecodeError:
-                store._count("corrupt")
+                store._counters.add("corrupt")
         return texts
 
     def publish_sources(self, sources: Mapping[str, Source]) -> None:
         """Record where document chunks are stored, by content key (blend mode)."""
         if sources and not self._store._writer.submit(("sources", dict(sources))):
-            self._store._count("dropped_writes")
+            self._store._counters.add("dropped_writes")
 
     def source(self, content_key: str) -> Source | None:
         """The stored location of a document chunk, if any process recorded one."""
@@ -587,7 +574,7 @@ class RedisRecords:
             start, prefix_key = bytes(raw).decode("ascii").split(":", 1)
             return Source(prefix_key, int(start))
         except (UnicodeDecodeError, ValueError, TypeError):
-            store._count("corrupt")
+            store._counters.add("corrupt")
             return None
 
 
