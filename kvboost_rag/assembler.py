@@ -13,14 +13,14 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from . import chunk_attention
+from . import block_attention, chunk_attention
 
 
 class _BufferedLayer(DynamicLayer):
@@ -33,22 +33,25 @@ class _BufferedLayer(DynamicLayer):
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
-        self.capacity = max(capacity, 1)
+        self.capacity = block_attention.round_up(max(capacity, 1), block_attention.KEY_BLOCK)
         self.length = 0
+        self.pad_keys = False
+        """Return the keys and values padded to whole key blocks (for the split-invariant attention)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         batch, heads, _, dim = key_states.shape
-        self._k = key_states.new_empty(batch, heads, self.capacity, dim)
-        self._v = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
+        # Zeros, not empty memory: padded attention reads the unused slots (masked), which must be finite.
+        self._k = key_states.new_zeros(batch, heads, self.capacity, dim)
+        self._v = value_states.new_zeros(batch, heads, self.capacity, value_states.shape[-1])
         self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
         self.is_initialized = True
 
     def _grow(self, needed: int) -> None:
-        capacity = max(needed, 2 * self.capacity)
+        capacity = block_attention.round_up(max(needed, 2 * self.capacity), block_attention.KEY_BLOCK)
         for name in ("_k", "_v"):
             old = getattr(self, name)
-            new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
         self.capacity = capacity
@@ -63,6 +66,9 @@ class _BufferedLayer(DynamicLayer):
         self._v[:, :, self.length : end] = value_states
         self.length = end
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        if self.pad_keys:
+            padded = block_attention.round_up(end, block_attention.KEY_BLOCK)
+            return self._k[:, :, :padded], self._v[:, :, :padded]
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -106,8 +112,9 @@ class Assembler:
         self.context_window = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
         self.attention_window = _attention_window(model.config)
         # Forward calls of concurrent requests take turns: the attention switch below is shared
-        # state, and two calls at once would only split the same cores.
-        self._forward_lock = threading.Lock()
+        # state of the model (also between engines that share it), and two calls at once would
+        # only split the same cores.
+        self._forward_lock = _model_lock(model)
         params = inspect.signature(model.forward).parameters
         # transformers 5.x renamed ``past_key_values`` to ``cache``; accept either.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -116,13 +123,25 @@ class Assembler:
         self._chunk_attention = (
             chunk_attention.register() if getattr(model.config, "_attn_implementation", None) == "sdpa" else None
         )
+        self._block_attention = block_attention.register() if block_attention.available(self.device) else None
+        self.invariant = False
+        """Run forwards over buffered caches split-invariantly (set by the engine once the probe holds)."""
+        text = model.config.get_text_config(decoder=True)
+        self._query_groups = text.num_attention_heads // getattr(text, "num_key_value_heads", text.num_attention_heads)
         self._transposed_batch_weights = transposed_batch_weights
         self._transposed: dict[torch.nn.Linear, torch.Tensor] | None = None  # built at the first batch
 
     @property
     def attention_kernel(self) -> str:
-        """Names the attention arithmetic of chunk steps (part of the store namespace)."""
+        """Names the attention arithmetic of prefill steps (part of the store namespace)."""
+        if self.invariant:
+            return f"{self._block_attention}-rows{block_attention.ROW_MULTIPLE}"
         return self._chunk_attention or str(getattr(self.model.config, "_attn_implementation", ""))
+
+    @property
+    def can_run_invariant(self) -> bool:
+        """Whether the split-invariant attention exists for this model and device (the probe still decides)."""
+        return self._block_attention is not None
 
     @property
     def device(self) -> torch.device:
@@ -149,22 +168,36 @@ class Assembler:
         return _BufferedCache(self._num_layers(), capacity)
 
     @torch.inference_mode()
-    def forward(self, cache: Cache, token_ids: list[int], start: int, *, logits: bool = True) -> torch.Tensor | None:
+    def forward(
+        self, cache: Cache, token_ids: Sequence[int], start: int, *, logits: bool = True, exact_rows: bool = True
+    ) -> torch.Tensor | None:
         """Run ``token_ids`` at positions ``start..`` over ``cache``.
 
         Returns float32 logits ``[vocab]`` of the last token, or None with ``logits=False``,
         which skips the LM head (a full read of the vocabulary matrix per call).
+
+        In invariant mode the call is padded with filler rows to a multiple of
+        ``ROW_MULTIPLE`` (their KV is dropped afterwards), so each token's KV and logits are
+        the same bits however the prompt is split into calls. ``exact_rows=False`` skips the
+        padding: decode steps, whose KV is never stored, stay one row.
         """
+        n = len(token_ids)
+        invariant = self.invariant and isinstance(cache, _BufferedCache)
+        rows = block_attention.round_up(n, block_attention.ROW_MULTIPLE) if invariant and exact_rows else n
         device = self.device
-        ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-        positions = torch.arange(start, start + len(token_ids), device=device).unsqueeze(0)
+        ids = torch.tensor([[*token_ids, *[token_ids[-1]] * (rows - n)]], dtype=torch.long, device=device)
+        positions = torch.arange(start, start + rows, device=device).unsqueeze(0)
         kwargs = {"input_ids": ids, "position_ids": positions, "use_cache": True, self._cache_kwarg: cache}
-        with self._forward_lock, self._attention_for(cache):
+        # The LM head runs on the last real row alone, so its kernel is the same whatever the call.
+        keep = 1 if rows == n else torch.tensor([n - 1], device=device)
+        with self._forward_lock, self._attention_for(cache, start, rows):
             if not logits:
                 self.model.base_model(**kwargs)
-                return None
-            out = self.model(**kwargs, logits_to_keep=1)
-        return out.logits[0, -1].float()
+            else:
+                out = self.model(**kwargs, logits_to_keep=keep)
+        if rows != n:
+            cache.truncate(start + n)
+        return out.logits[0, -1].float() if logits else None
 
     @property
     def shares_prefixes(self) -> bool:
@@ -304,13 +337,26 @@ class Assembler:
         return self.model.config.get_text_config(decoder=True).num_hidden_layers
 
     @contextmanager
-    def _attention_for(self, cache: Cache) -> Iterator[None]:
-        """Select the chunk attention for the duration of one forward over a buffered cache.
+    def _attention_for(self, cache: Cache, start: int, rows: int) -> Iterator[None]:
+        """Select our attention for the duration of one forward of ``rows`` queries at ``start..``
+        over a buffered cache: split-invariant in invariant mode, the chunk attention otherwise.
 
         The switch is on the shared config, so it is held only inside the call (under
         the forward lock), and the model is left as it was.
         """
-        if self._chunk_attention is None or not isinstance(cache, _BufferedCache):
+        if not isinstance(cache, _BufferedCache):
+            yield
+            return
+        if self.invariant:
+            dtype = next(self.model.parameters()).dtype
+            with (
+                self._attention_switch(self._block_attention),
+                block_attention.queries_at(start, rows, self._query_groups, dtype, self.device),
+                cache.keys_padded(),
+            ):
+                yield
+            return
+        if self._chunk_attention is None:
             yield
             return
         with self._attention_switch(self._chunk_attention):
@@ -334,13 +380,34 @@ class Assembler:
         )
 
     @torch.inference_mode()
-    def append(self, cache: Cache, kv: torch.Tensor) -> None:
-        """Lay a stored chunk ``[layers, 2, kv_heads, tokens, head_dim]`` after what ``cache`` holds."""
-        if kv.shape[0] != len(cache.layers):
-            msg = f"stored chunk has {kv.shape[0]} layers, the model has {len(cache.layers)}"
-            raise ValueError(msg)
+    def append(self, cache: Cache, kv: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Lay stored chunks ``[layers, 2, kv_heads, tokens, head_dim]`` (one, or several in order)
+        after what ``cache`` holds."""
+        parts = [kv] if isinstance(kv, torch.Tensor) else list(kv)
+        for part in parts:
+            if part.shape[0] != len(cache.layers):
+                msg = f"stored chunk has {part.shape[0]} layers, the model has {len(cache.layers)}"
+                raise ValueError(msg)
         for layer_idx, layer in enumerate(cache.layers):
-            layer.update(kv[layer_idx, 0].unsqueeze(0), kv[layer_idx, 1].unsqueeze(0))
+            if len(parts) == 1:
+                keys, values = parts[0][layer_idx, 0], parts[0][layer_idx, 1]
+            else:  # one copy per layer rather than one per chunk and layer
+                keys = torch.cat([p[layer_idx, 0] for p in parts], dim=1)
+                values = torch.cat([p[layer_idx, 1] for p in parts], dim=1)
+            layer.update(keys.unsqueeze(0), values.unsqueeze(0))
+
+
+_LOCKS_GUARD = threading.Lock()
+
+
+def _model_lock(model: torch.nn.Module) -> threading.Lock:
+    """One forward lock per model object, shared by every assembler of that model."""
+    with _LOCKS_GUARD:
+        lock = getattr(model, "_kvboost_forward_lock", None)
+        if lock is None:
+            lock = threading.Lock()
+            model._kvboost_forward_lock = lock  # type: ignore[assignment]
+        return lock
 
 
 def _row_major_linear(x: torch.Tensor, *, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -358,3 +425,19 @@ class _BufferedCache(DynamicCache):
 
     def __init__(self, num_layers: int, capacity: int) -> None:
         Cache.__init__(self, layers=[_BufferedLayer(capacity) for _ in range(num_layers)])
+
+    def truncate(self, length: int) -> None:
+        """Forget every token from ``length`` on, in every layer."""
+        for layer in self.layers:
+            layer.truncate(length)
+
+    @contextmanager
+    def keys_padded(self) -> Iterator[None]:
+        """Inside, layers hand attention their keys and values padded to whole key blocks."""
+        for layer in self.layers:
+            layer.pad_keys = True
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.pad_keys = False

@@ -2,7 +2,9 @@
 
 Exact reuse serves a chunk only after the very prefix it was computed with, so
 in a RAG prompt it covers the first retrieved document at best. Blend reuse
-also serves a document chunk found under its *content key* (its tokens alone):
+also serves a content chunk found under its *content key* (its tokens alone).
+Text is cut at paragraph breaks (:func:`~kvboost_rag.canonical.split_paragraphs`),
+so a passage has the same chunks wherever it follows a break:
 
 1. the exact prefix is reused or computed as usual (and stored: it is exact);
 2. from the first chunk that is found only by content, each such chunk's
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,8 +36,8 @@ from .canonical import CanonicalPrompt
 from .keys import Chunk, content_key, group_spans
 from .registry import DocumentRegistry, Source
 from .rope import RopeShifter
-from .runner import PrefillOutcome, compute_chunk
-from .store.base import KVStore
+from .runner import CacheFiller, PrefillOutcome
+from .store.base import Hit, KVStore
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,11 @@ class BlendSettings:
     """Layer whose KV deviation ranks the reused tokens (running the layers below it costs the selection)."""
 
 
-def document_chunks(prompt: CanonicalPrompt, chunks: Sequence[Chunk]) -> list[bool]:
-    """Per chunk: whether it holds tokens of a ``document`` segment."""
-    spans = [span for seg, span in zip(prompt.segments, prompt.segment_spans, strict=True) if seg.kind == "document"]
-    return [any(s < c.end and c.start < e for s, e in spans) for c in chunks]
+def content_chunks(prompt: CanonicalPrompt, chunks: Sequence[Chunk]) -> list[bool]:
+    """Per chunk: whether it holds content only (no template glue), so may be a reused passage."""
+    spans = [span for seg, span in zip(prompt.segments, prompt.segment_spans, strict=True)
+             if seg.kind in ("glue", "closing")]
+    return [not any(s < c.end and c.start < e for s, e in spans) for c in chunks]
 
 
 def record_sources(
@@ -98,36 +100,42 @@ def blend_prefill(
 ) -> PrefillOutcome:
     """Fill a cache for ``prompt``: exact prefix, then reused documents with selective recompute."""
     token_ids = prompt.token_ids
-    is_doc = document_chunks(prompt, chunks)
+    is_doc = content_chunks(prompt, chunks)
     last = len(chunks) - 1
     cache = assembler.new_cache(capacity + len(token_ids))  # room for the recomputed tokens' fresh KV
-    cached: Counter[str] = Counter()
-    recomputed = stored = 0
+    filler = CacheFiller(assembler, token_ids, chunks, cache, store, step_tokens=None)
     logits: torch.Tensor | None = None
     lookup = dict(store=store, registry=registry, namespace=namespace, shifter=shifter)
 
-    # 1. The exact prefix: hits, and misses with no reusable document, computed and stored.
+    # 1. The exact prefix: hits, and misses with no reusable passage, computed and stored.
     first_blend: int | None = None
     reused: dict[int, torch.Tensor] = {}
+    hits: list[Hit] = []
+    missing: int | None = None
     for i, chunk in enumerate(chunks):
         hit = store.get(chunk.key)
         if hit is not None and (i < last or hit.chunk.last_logits is not None):
-            assembler.append(cache, hit.chunk.kv)
-            cached[hit.tier] += chunk.num_tokens
+            if missing is not None:
+                _compute_exact(filler, registry, namespace, is_doc, missing, i - 1, store_last_logits=False)
+                missing = None
+            hits.append(hit)
             logits = hit.chunk.last_logits
             continue
+        if hits:
+            filler.lay(hits)
+            hits = []
         kv = _reusable_kv(chunk, token_ids, **lookup) if is_doc[i] and i < last else None
         if kv is not None:
             first_blend, reused[i] = i, kv
             break
-        logits = compute_chunk(
-            assembler, cache, token_ids, chunks, i, store=store, need_logits=i == last,
-            store_logits=store_last_logits and i == last,
-        )
-        recomputed += chunk.num_tokens
-        stored += chunk.num_tokens
-        if is_doc[i]:
-            record_sources(registry, namespace, token_ids, chunks[i : i + 1], [True])
+        missing = i if missing is None else missing
+    if hits:
+        filler.lay(hits)
+    if missing is not None:
+        end = last if first_blend is None else first_blend - 1
+        logits = _compute_exact(filler, registry, namespace, is_doc, missing, end,
+                                store_last_logits=store_last_logits and first_blend is None)
+    cached, recomputed, stored = filler.cached, filler.recomputed, filler.stored
     if first_blend is None:
         assert logits is not None
         return PrefillOutcome(cache, logits, cached, recomputed, stored)
@@ -165,6 +173,17 @@ def blend_prefill(
     approx = int((is_reused & ~fresh).sum())
     n_fresh = int(fresh.sum())
     return PrefillOutcome(cache, logits, cached, recomputed + n_fresh, stored, approx_tokens=approx, select_s=select_s)
+
+
+def _compute_exact(
+    filler: CacheFiller, registry: DocumentRegistry, namespace: str, is_doc: Sequence[bool], first: int, last: int,
+    *, store_last_logits: bool,
+) -> torch.Tensor | None:
+    """Compute and store chunks ``first..last`` exactly; record where their passages now are stored."""
+    final = last == len(filler.chunks) - 1
+    logits = filler.compute(first, last, logits=final, store_logits=store_last_logits)
+    record_sources(registry, namespace, filler.token_ids, filler.chunks[first : last + 1], is_doc[first : last + 1])
+    return logits
 
 
 def _select_deviating(

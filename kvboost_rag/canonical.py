@@ -16,7 +16,7 @@ import logging
 import re
 import unicodedata
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
@@ -49,20 +49,44 @@ PromptInput = str | Sequence[str | Segment] | Sequence[Message]
 
 
 def segments_before(segments: Sequence[Segment], marker: str) -> list[Segment]:
-    """The segments that precede ``marker`` (cut inside the segment that holds it).
+    """The segments that precede ``marker``, ending with the part before it of the segment that holds it.
 
     Framework adapters render their prompt template with a marker in place of the
     context; what comes before it is the prefix that documents are pre-warmed after.
+    The last segment is the one the document continues (its text may be empty).
 
     >>> segments_before([Segment("sys", "message"), Segment("Context: @@ Q", "message")], "@@")
     [Segment(text='sys', kind='message'), Segment(text='Context: ', kind='message')]
     """
     for i, segment in enumerate(segments):
         if marker in segment.text:
-            before = segment.text[: segment.text.index(marker)]
-            return [*segments[:i], Segment(before, segment.kind)] if before else list(segments[:i])
+            return [*segments[:i], Segment(segment.text[: segment.text.index(marker)], segment.kind)]
     msg = "the rendered prompt lost the context placeholder; the chat template must keep message text verbatim"
     raise InvalidRequestError(msg)
+
+
+_PARAGRAPH_BREAK = re.compile(r"(?<=[^\n])(?=\n\n)")
+"""Matches the place before each run of two or more newlines that follows other text."""
+
+
+def split_paragraphs(segment: Segment) -> list[Segment]:
+    """Cut a text segment before each paragraph break (a run of two or more newlines).
+
+    The cut depends on the text alone. A paragraph (a retrieved passage, say) keeps
+    the same tokens and chunks whether or not another paragraph follows it, so a
+    prompt that continues a pre-warmed ``prefix + document`` with ``"\\n\\n..."`` reuses
+    all of it, and a passage that follows a break has the same chunks wherever it
+    appears, which lets blend reuse find it. With byte-level BPE tokenizers the
+    tokens are those of the uncut text, since a newline run already starts a new token.
+
+    >>> [s.text for s in split_paragraphs(Segment("Context:\\n\\nFirst.\\n\\n\\nSecond"))]
+    ['Context:', '\\n\\nFirst.', '\\n\\n\\nSecond']
+    """
+    if segment.kind in ("glue", "closing"):
+        return [segment]
+    cuts = [m.start() for m in _PARAGRAPH_BREAK.finditer(segment.text)]
+    bounds = zip([0, *cuts], [*cuts, len(segment.text)], strict=True)
+    return [Segment(segment.text[a:b], segment.kind) for a, b in bounds]
 
 
 @dataclass(frozen=True)
@@ -118,6 +142,13 @@ def _content_texts(message: Message, index: int) -> list[str]:
     raise InvalidRequestError(msg)
 
 
+def is_messages(prompt: object) -> bool:
+    """Whether a prompt is a chat message list (rendered through the chat template)."""
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) > 0 and all(
+        isinstance(p, Mapping) for p in prompt
+    )
+
+
 class Canonicalizer:
     """Turns prompts into :class:`CanonicalPrompt` for one tokenizer.
 
@@ -125,16 +156,8 @@ class Canonicalizer:
     every request is tokenized once.
     """
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        *,
-        cache_entries: int = 4096,
-        find_documents: Callable[[str], Sequence[tuple[int, int]]] | None = None,
-    ) -> None:
+    def __init__(self, tokenizer: Any, *, cache_entries: int = 4096) -> None:
         self.tokenizer = tokenizer
-        self.find_documents = find_documents
-        """Returns ``(start, end)`` spans of known documents in a text (see :mod:`.registry`)."""
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._memo: dict[str, tuple[int, ...]] = {}
         self._memo_limit = cache_entries
@@ -209,12 +232,11 @@ class Canonicalizer:
     ) -> CanonicalPrompt:
         """Segments and canonical ids of a string, a list of segments, or chat messages.
 
-        ``template_kwargs`` go to the chat template (e.g. ``tools=[...]``).
+        Text is cut at paragraph breaks (:func:`split_paragraphs`); the result depends on
+        the prompt alone. ``template_kwargs`` go to the chat template (e.g. ``tools=[...]``).
         """
         segments = self.segments_of(prompt, add_generation_prompt=add_generation_prompt, **template_kwargs)
-        if self.find_documents is not None:
-            segments = [part for s in segments for part in self._split_documents(s)]
-        segments = [s for s in segments if s.text]
+        segments = [part for s in segments for part in split_paragraphs(s) if part.text]
         if not segments:
             raise InvalidRequestError("the prompt is empty; pass a non-empty string, segment list or message list")
         ids = [self.tokenize(s.text) for s in segments]
@@ -222,19 +244,6 @@ class Canonicalizer:
             segments.insert(0, Segment(self.tokenizer.bos_token, "glue"))
             ids.insert(0, (self._bos_id,))
         return CanonicalPrompt(tuple(segments), tuple(ids))
-
-    def _split_documents(self, segment: Segment) -> list[Segment]:
-        """Cut a text or message segment at the known documents inside it."""
-        if segment.kind in ("glue", "closing", "document"):
-            return [segment]
-        parts, position = [], 0
-        for start, end in self.find_documents(segment.text):
-            parts += [Segment(segment.text[position:start], segment.kind), Segment(segment.text[start:end], "document")]
-            position = end
-        if not parts:
-            return [segment]
-        parts.append(Segment(segment.text[position:], segment.kind))
-        return [p for p in parts if p.text]
 
     def segments_of(
         self, prompt: PromptInput, *, add_generation_prompt: bool = True, **template_kwargs: Any
@@ -249,7 +258,7 @@ class Canonicalizer:
                 "a list of strings/Segments, or a list of {'role': ..., 'content': ...} messages"
             )
             raise InvalidRequestError(msg)
-        if all(isinstance(p, Mapping) for p in prompt):
+        if is_messages(prompt):
             return self.render_messages(prompt, add_generation_prompt=add_generation_prompt, **template_kwargs)
         out = []
         for i, part in enumerate(prompt):

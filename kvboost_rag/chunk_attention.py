@@ -51,7 +51,7 @@ def _merge_past_and_block(
     block_v = value[:, :, past:].repeat_interleave(groups, dim=1)
     out_block, lse_block = _flash_cpu(query, block_k, block_v, is_causal=True, scale=scale)
     # softmax over the union = weighted mean of the two partial softmaxes
-    return _merge(out_past, lse_past, out_block, lse_block).to(query.dtype)
+    return merge_partial_softmax(out_past, lse_past, out_block, lse_block).to(query.dtype)
 
 
 def chunked_causal_attention(
@@ -83,7 +83,7 @@ def chunked_causal_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+def merge_partial_softmax(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """Softmax over the union of two key sets from each part's output and log-sum-exp ``[..., L]``."""
     top = torch.maximum(lse_a, lse_b)
     w_a = torch.exp(lse_a - top).unsqueeze(-1)
@@ -136,7 +136,7 @@ def shared_prefix_attention(
     out_rows, lse_rows = _flash_cpu(
         query, key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), attn_mask=bias, scale=scaling
     )
-    merged = _merge(out_shared, lse_shared, out_rows, lse_rows).to(query.dtype)
+    merged = merge_partial_softmax(out_shared, lse_shared, out_rows, lse_rows).to(query.dtype)
     return merged.transpose(1, 2).contiguous(), None
 
 

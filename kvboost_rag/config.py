@@ -18,13 +18,30 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    chunk_size: int = Field(default=1024, ge=1, le=65536)
-    """Most tokens in one stored chunk; also the prefill step of the canonical schedule.
+    chunk_size: int | None = Field(default=None, ge=1, le=65536)
+    """Most tokens in one stored chunk: the granularity of exact reuse (``None``: 64 with the
+    split-invariant forward, 1024 with the canonical schedule).
 
-    Every prefill step re-reads all weights, so short steps slow the cold path: on a
-    2-core CPU (SmolLM2, 1-2K tokens) 512-token steps measured ~0.87x the speed of one
-    full prefill, 1024-token steps 0.97-1.0x (``benchmarks/ttft.py``). Chunks never
+    With the split-invariant forward (see ``prefill_schedule``) a prompt sharing a stored prefix
+    reuses it to within one chunk, whatever the chunk size, and the missing part runs as one call;
+    smaller chunks cost more store entries. With the canonical schedule every chunk is also a
+    prefill step, which re-reads all weights: on a 2-core CPU (SmolLM2, 1-2K tokens) 512-token
+    steps measured ~0.87x the speed of one full prefill, 1024-token steps 0.97-1.0x. Chunks never
     cross a segment, so documents and messages keep their own chunks either way."""
+
+    prefill_schedule: Literal["auto", "invariant", "canonical"] = "auto"
+    """``auto``: probe at load (once per model and platform, remembered) whether forwards split at
+    any point give the bits of one forward, and use the split-invariant forward if so, else the
+    canonical chunk schedule (``engine.stats()["reuse"]`` and ``result.reuse_note`` say which).
+    ``invariant``: the same, but an unsupported platform raises. ``canonical``: always chunk by chunk."""
+
+    max_forward_tokens: int = Field(default=8192, ge=8)
+    """Most tokens in one forward call of the split-invariant prefill (bounds activation memory);
+    longer runs of missing chunks take several calls, with the same bits."""
+
+    store_replies: bool = True
+    """After a chat request (messages), store its reply as the chat template renders it in the
+    next turn, in the background once the answer is returned, so the next turn reuses it."""
 
     max_memory_bytes: int = Field(default=2 * 1024**3, ge=0)
     """Byte budget of the memory tier; least valuable chunks are evicted beyond it."""

@@ -7,7 +7,8 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import uuid
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -16,10 +17,19 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from .assembler import Assembler
-from .canonical import Canonicalizer, CanonicalPrompt, PromptInput, Segment, normalize_text
+from .canonical import (
+    Canonicalizer,
+    CanonicalPrompt,
+    PromptInput,
+    Segment,
+    is_messages,
+    normalize_text,
+    segments_before,
+)
+from .followups import FollowUps
 from .config import EngineConfig, ReuseMode
 from .batch import BatchRow, run_batch
-from .blend import BlendSettings, blend_prefill, document_chunks, record_sources
+from .blend import BlendSettings, blend_prefill, record_sources
 from .errors import (
     ContextWindowExceededError,
     InvalidRequestError,
@@ -29,8 +39,9 @@ from .errors import (
 )
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .keys import Chunk, make_namespace, plan_chunks
-from .models import load_model
-from .runner import decode, holding_writes, prefill
+from .invariance import InvarianceReport, remembered_invariance
+from .models import kvboost_home, load_model
+from .runner import PrefillOutcome, decode, holding_writes, prefill
 from .sampling import SamplingParams
 from .registry import DocumentRegistry
 from .rope import RopeShifter
@@ -41,6 +52,11 @@ from .textstream import TextStream
 logger = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length"]
+
+DEFAULT_INVARIANT_CHUNK = 64
+"""Chunk size with the split-invariant forward: reuse to within 64 tokens of any shared prefix."""
+DEFAULT_CANONICAL_CHUNK = 1024
+"""Chunk size of the canonical schedule, where each chunk is also a forward step (see EngineConfig)."""
 
 
 @dataclass
@@ -166,6 +182,21 @@ class PrewarmReport:
         return self.computed_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+def _token_offset(prompt: CanonicalPrompt, char_offset: int) -> int:
+    """Token offset of the first segment that starts at ``char_offset`` of the prompt text or later.
+
+    A paragraph cut (:func:`~kvboost_rag.canonical.split_paragraphs`) leaves a break's newlines
+    with the paragraph after it, so a segment that starts with newlines just before counts too.
+    """
+    position = 0
+    for segment, (start, _) in zip(prompt.segments, prompt.segment_spans, strict=True):
+        lead = segment.text[: max(char_offset - position, 0)]
+        if lead.strip("\n") == "" and len(lead) < len(segment.text):
+            return start
+        position += len(segment.text)
+    return len(prompt)
+
+
 def _shared_records(store: KVStore) -> Any:
     """Registry records of a tier that other processes share (the Redis tier), if the store has one."""
     for tier in getattr(store, "tiers", [store]):
@@ -204,13 +235,11 @@ class KVBoostEngine:
         self.config = config or EngineConfig()
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.assembler = Assembler(model, transposed_batch_weights=self.config.batch_transposed_weights)
-        self.namespace = make_namespace(
-            model=model_fingerprint(model),
-            tokenizer=tokenizer_fingerprint(tokenizer),
-            dtype=str(next(model.parameters()).dtype),
-            device=self.assembler.device.type,
-            attention=self.assembler.attention_kernel,
+        self.invariance = self._choose_schedule()
+        self.chunk_size = self.config.chunk_size or (
+            DEFAULT_INVARIANT_CHUNK if self.assembler.invariant else DEFAULT_CANONICAL_CHUNK
         )
+        self.namespace = self._namespace()
         if store is not None and store_dir is not None:
             raise ValueError("pass either store or store_dir, not both")
         self.store: KVStore = store if store is not None else self._open_store(store_dir)
@@ -218,15 +247,58 @@ class KVBoostEngine:
             Path(store_dir).expanduser() / "documents.sqlite" if store_dir else None,
             shared=_shared_records(self.store),  # a Redis tier shares documents between processes
         )
-        finder = self.registry.find if self.config.find_documents else None
-        self.canonicalizer = Canonicalizer(tokenizer, find_documents=finder)
+        self.canonicalizer = Canonicalizer(tokenizer)
         self.eos_ids = self._eos_ids()
         self._lock = threading.Lock()  # one prefill at a time (decode steps lock in the assembler)
         self._scheduler: Scheduler[Request] | None = None
         self._scheduler_lock = threading.Lock()
         self._shifter: RopeShifter | None = None
+        self._followups = FollowUps(name="kvboost-reply-store")
         if self.config.reuse == "blend":
             self._blend_shifter()  # refuse an unsupported model now, not at the first request
+
+    def _namespace(self) -> str:
+        return make_namespace(
+            model=model_fingerprint(self.model),
+            tokenizer=tokenizer_fingerprint(self.tokenizer),
+            dtype=str(next(self.model.parameters()).dtype),
+            device=self.assembler.device.type,
+            attention=self.assembler.attention_kernel,
+        )
+
+    def _choose_schedule(self) -> InvarianceReport | None:
+        """Probe (or recall) split invariance and set the assembler's mode; None when not probed."""
+        schedule = self.config.prefill_schedule
+        if schedule == "canonical":
+            return None
+        saved, self.assembler.invariant = self.assembler.invariant, True
+        probe_namespace = self._namespace()  # names the invariant kernel
+        self.assembler.invariant = saved
+        report = remembered_invariance(
+            self.assembler, self._vocab_size(), probe_namespace, kvboost_home() / "probes.json"
+        )
+        if not report.holds and schedule == "invariant":
+            msg = (
+                f"prefill_schedule='invariant', but this model, dtype and device fail the split-invariance "
+                f"probe ({report.detail}); use prefill_schedule='auto' to fall back to the canonical schedule"
+            )
+            raise UnsupportedModelError(msg)
+        if not report.holds:
+            logger.warning("split-invariance probe failed (%s); reuse is chunk-granular", report.detail)
+        self.assembler.invariant = report.holds
+        return report
+
+    def _vocab_size(self) -> int:
+        embeddings = self.model.get_input_embeddings()
+        return int(embeddings.weight.shape[0])
+
+    @property
+    def reuse_note(self) -> str | None:
+        """Why reuse is coarser than the split-invariant forward allows, or None."""
+        if self.assembler.invariant:
+            return None
+        why = "prefill_schedule='canonical'" if self.invariance is None else self.invariance.detail
+        return f"canonical chunk schedule ({why}): a stored prefix is reused in whole {self.chunk_size}-token chunks"
 
     def _open_store(self, store_dir: str | Path | None) -> KVStore:
         tiers: list[KVStore] = [MemoryStore(self.config.max_memory_bytes)]
@@ -398,8 +470,7 @@ class KVBoostEngine:
         canonical = self.canonicalize(prompt, add_generation_prompt=add_generation_prompt)
         self._check_window(len(canonical), 0)
         with self._lock:
-            chunks = self._chunks(canonical)
-            out = prefill(self.assembler, canonical.token_ids, chunks, store=self.store, capacity=len(canonical))
+            out = self._prefill(canonical.token_ids, self._chunks(canonical), store=self.store, capacity=len(canonical))
         return WarmReport(len(canonical), sum(out.cached_by_tier.values()), out.stored_tokens, time.perf_counter() - t0)
 
     def prewarm(
@@ -412,14 +483,26 @@ class KVBoostEngine:
     ) -> PrewarmReport:
         """Store the exact KV of ``prefix + document`` for each document and register the documents.
 
-        ``prefix`` is the rendered prompt text that precedes the documents in your
-        template (or its segments, as the framework integrations pass it). A later
-        prompt ``prefix + document + ...`` is split at the registered document and
-        reuses its KV. Documents already stored are skipped, so an interrupted run
-        can simply be started again. ``progress`` is called with the token count of
-        each finished document.
+        ``prefix`` is what precedes the documents at query time, in the form the
+        prompts will take:
+
+        - a string: flat prompts ``prefix + document + ...``;
+        - segments: a segment list ``[*prefix, Segment(document, "document"), ...]``;
+          when the last segment is a chat ``message`` (as the framework integrations
+          render it with :func:`~kvboost_rag.canonical.segments_before`), the document
+          continues that message's text, as a template inlines it.
+
+        Such a prompt then reads the stored KV (to within one chunk of where the
+        document ends), and blend reuse finds the document's paragraphs anywhere.
+        Pre-warming never changes a prompt's tokens, only what is stored. Documents already stored are skipped, so an
+        interrupted run can simply be started again. ``progress`` is called with the
+        token count of each finished document.
+
+        >>> engine.prewarm(["Paris is the capital of France."], prefix="Context:\\n\\n")  # doctest: +SKIP
         """
         head = [Segment(prefix, "text")] if isinstance(prefix, str) else list(prefix)
+        if not isinstance(prefix, str) and (not head or head[-1].kind != "message"):
+            head.append(Segment("", "document"))  # the document is a segment of its own
         t0 = time.perf_counter()
         report = PrewarmReport(documents=0, skipped=0, tokens=0, computed_tokens=0, seconds=0.0)
         with self._lock:
@@ -427,7 +510,8 @@ class KVBoostEngine:
                 doc = normalize_text(doc)
                 if not doc:
                     continue
-                canonical = self.canonicalize([*head, Segment(doc, "document")], add_generation_prompt=False)
+                *before, last = head
+                canonical = self.canonicalize([*before, Segment(last.text + doc, last.kind)], add_generation_prompt=False)
                 self._check_window(len(canonical), 0)
                 chunks = self._chunks(canonical)
                 report.documents += 1
@@ -436,10 +520,12 @@ class KVBoostEngine:
                 if all(self.store.contains(c.key) for c in chunks):
                     report.skipped += 1
                 else:
-                    out = prefill(self.assembler, canonical.token_ids, chunks, store=self.store, capacity=len(canonical))
+                    out = self._prefill(canonical.token_ids, chunks, store=self.store, capacity=len(canonical))
                     report.computed_tokens += out.recomputed_tokens
                 # where blend reuse finds this document's chunks, whatever precedes it at query time
-                record_sources(self.registry, self.namespace, canonical.token_ids, chunks, document_chunks(canonical, chunks))
+                doc_start = _token_offset(canonical, len(canonical.text) - len(doc))
+                record_sources(self.registry, self.namespace, canonical.token_ids, chunks,
+                               [c.start >= doc_start for c in chunks])
                 if pin:
                     for chunk in chunks:
                         self.store.pin(chunk.key)
@@ -451,17 +537,30 @@ class KVBoostEngine:
         return report
 
     def stats(self) -> dict[str, Any]:
-        """Per-tier counters (hits, misses, puts, evictions, entries, bytes, pinned, hit rate)."""
+        """Per-tier counters (hits, misses, puts, evictions, entries, bytes, pinned, hit rate), the number
+        of registered documents, and ``reuse``: the prefill schedule, chunk size and probe result."""
         out: dict[str, Any] = {name: vars(s) | {"hit_rate": s.hit_rate} for name, s in self.store.stats().items()}
         out["documents"] = len(self.registry)
+        out["reuse"] = {
+            "schedule": "invariant" if self.assembler.invariant else "canonical",
+            "chunk_tokens": self.chunk_size,
+            "probe": None if self.invariance is None else self.invariance.detail,
+            "note": self.reuse_note,
+        }
         return out
 
+    def flush(self) -> None:
+        """Wait for background work: replies being stored for the next turn, and store writes."""
+        self._followups.join()
+        self.store.flush()
+
     def close(self) -> None:
-        """Finish queued requests, flush pending disk writes and release the store."""
+        """Finish queued requests and background work, flush pending disk writes and release the store."""
         with self._scheduler_lock:
             scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None:
             scheduler.close()
+        self._followups.close()
         self.store.close()
         self.registry.close()
 
@@ -507,8 +606,11 @@ class KVBoostEngine:
             )
             raise ContextWindowExceededError(msg)
 
+    def _prefill(self, token_ids: Sequence[int], chunks: Sequence[Chunk], **kwargs: Any) -> PrefillOutcome:
+        return prefill(self.assembler, token_ids, chunks, step_tokens=self.config.max_forward_tokens, **kwargs)
+
     def _chunks(self, canonical: CanonicalPrompt) -> list[Chunk]:
-        return plan_chunks(canonical, self.config.chunk_size, self.namespace)
+        return plan_chunks(canonical, self.chunk_size, self.namespace)
 
     def _prepare(self, request: Request, submitted_at: float) -> _Prepared:
         """Validate and canonicalize a request (bad input raises here, before any work)."""
@@ -592,7 +694,50 @@ class KVBoostEngine:
                 outcomes[i] = outcome
         return outcomes  # type: ignore[return-value]
 
+    def _follow_up(self, prepared: _Prepared, result: GenerationResult) -> None:
+        """Queue storing a chat reply as the next turn will render it (see ``EngineConfig.store_replies``)."""
+        messages = prepared.request.prompt
+        if not self.config.store_replies or not is_messages(messages) or not prepared.request.add_generation_prompt:
+            return
+        self._followups.submit(lambda: self.store_reply(messages, result.text))  # type: ignore[arg-type]
+
+    def store_reply(self, messages: Sequence[Mapping[str, Any]], reply: str) -> WarmReport | None:
+        """Store ``messages`` followed by the assistant ``reply`` as the next turn will render them.
+
+        The engine does this by itself after each chat answer (``EngineConfig.store_replies``);
+        call it for a reply that came from elsewhere (edited, or from another model). Rendered
+        with a following user message and cut before it, so the template output is the next
+        turn's, not that of a conversation ending on the reply. Returns None when the template
+        cannot render the conversation or it does not fit the context window.
+
+        >>> engine.store_reply([{"role": "user", "content": "Hi"}], "Hello! How can I help?")  # doctest: +SKIP
+        """
+        marker = f"\x02reply-end-{uuid.uuid4().hex}\x03"
+        following = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": marker}]
+        try:
+            head = segments_before(self.canonicalizer.segments_of(following, add_generation_prompt=False), marker)
+        except InvalidRequestError as e:  # a template that cannot render this: nothing to store
+            logger.debug("reply not stored for the next turn: %s", e)
+            return None
+        while head and head[-1].kind == "glue" or head and not head[-1].text:
+            head.pop()  # the next message's opening belongs to the next turn's chunks
+        if not head:
+            return None
+        canonical = self.canonicalize(head, add_generation_prompt=False)
+        if self.assembler.exact_reuse_blocker(len(canonical) + 1) is not None:
+            return None  # beyond a sliding window: nothing of it could be reused
+        try:
+            return self.warm(head)
+        except ContextWindowExceededError:
+            return None
+
     def _batch(
+        self, prepared: list[_Prepared], cancels: list[threading.Event | None]
+    ) -> list[GenerationResult | BaseException]:
+        with self._followups.activity():
+            return self._batch_rows(prepared, cancels)
+
+    def _batch_rows(
         self, prepared: list[_Prepared], cancels: list[threading.Event | None]
     ) -> list[GenerationResult | BaseException]:
         t_prefill = time.perf_counter()
@@ -604,10 +749,9 @@ class KVBoostEngine:
                 prefix_keys.append([(c.key, c.end) for c in chunks[:-1]])
                 store = self.store if p.mode == "exact" else None
                 prefix = None
-                if len(chunks) > 1:  # every chunk but the last, over the canonical schedule
-                    prefix = prefill(
-                        self.assembler, p.canonical.token_ids, chunks[:-1], store=store,
-                        capacity=chunks[-1].start, need_logits=False,
+                if len(chunks) > 1:  # every chunk but the last, exactly
+                    prefix = self._prefill(
+                        p.canonical.token_ids, chunks[:-1], store=store, capacity=chunks[-1].start, need_logits=False
                     )
                 rows.append(BatchRow(p.canonical.token_ids, prefix, chunks[-1].start, p.params,
                                      self._max_new_tokens(p), cancel))
@@ -641,11 +785,24 @@ class KVBoostEngine:
                     timings=Timings(out.first_token_at - p.submitted_at, done - p.submitted_at,
                                     out.first_token_at - t_prefill),
                     first_logits=out.first_logits if p.request.return_logits else None,
+                    reuse_note=self.reuse_note if p.mode == "exact" else None,
                 )
             )
+            if p.mode == "exact":
+                self._follow_up(p, results[-1])  # type: ignore[arg-type]
         return results
 
     def _run(self, prepared: _Prepared) -> Iterator[StreamChunk]:
+        """One request alone: text deltas, then the result; background work waits until it is done."""
+        with self._followups.activity():
+            last = yield from self._steps(prepared)
+        assert last.result is not None
+        if prepared.mode == "exact":
+            self._follow_up(prepared, last.result)
+        yield last
+
+    def _steps(self, prepared: _Prepared) -> Generator[StreamChunk, None, StreamChunk]:
+        """Prefill and decode one request, yielding text deltas; returns the last delta with the result."""
         canonical, params, mode, t0 = prepared.canonical, prepared.params, prepared.mode, prepared.submitted_at
         return_logits = prepared.request.return_logits
         n_prompt = len(canonical)
@@ -672,14 +829,9 @@ class KVBoostEngine:
                         capacity=n_prompt + max_new, store_last_logits=self.config.store_last_logits,
                     )
             else:
-                out = prefill(
-                    self.assembler,
-                    ids,
-                    chunks,
-                    store=self.store if reuse else None,
-                    capacity=n_prompt + max_new,
-                    store_last_logits=self.config.store_last_logits,
-                    reusable=blocker is None,
+                out = self._prefill(
+                    ids, chunks, store=self.store if reuse else None, capacity=n_prompt + max_new,
+                    store_last_logits=self.config.store_last_logits, reusable=blocker is None,
                 )
             prefill_s = time.perf_counter() - t_prefill
         usage = Usage(
@@ -712,6 +864,6 @@ class KVBoostEngine:
             timings=Timings(ttft_s=ttft or 0.0, total_s=time.perf_counter() - t0, prefill_s=prefill_s,
                             select_s=out.select_s),
             first_logits=out.logits.clone() if return_logits else None,
-            reuse_note=blocker,
+            reuse_note=blocker or (self.reuse_note if reuse else None),
         )
-        yield StreamChunk(tail, result)
+        return StreamChunk(tail, result)

@@ -2,9 +2,10 @@
 
 A *chunk* is up to ``chunk_size`` tokens of one segment group; chunks never
 cross a group boundary, so a document's chunks are the same whatever stands
-before or after it. A glue segment (template text) is grouped with the segment
-after it, which saves a forward step per piece of glue; glue at the very end
-joins the group before it.
+before or after it. Template glue that opens a message is grouped with the
+message, glue that closes one with the message before it, so a chat message's
+chunks are the same in every later turn. Glue left at the very end (the
+generation prompt) is a group of its own: in the next turn it opens the reply.
 
 The *prefix key* of a chunk is SHA-256 chained over the namespace and every
 chunk up to and including it: same key ⇔ same namespace, position and prefix.
@@ -20,7 +21,7 @@ import numpy as np
 
 from .canonical import CanonicalPrompt
 
-KV_LAYOUT_VERSION = 1
+KV_LAYOUT_VERSION = 2
 """Bumped whenever the stored tensor layout or the keying scheme changes."""
 
 
@@ -53,7 +54,7 @@ def group_spans(prompt: CanonicalPrompt) -> list[tuple[int, int]]:
     """Token spans of segment groups.
 
     Opening glue joins the segment after it, closing glue the group before it;
-    glue left at the very end (the generation prompt) joins the last group.
+    glue left at the very end (the generation prompt) is a group of its own.
     """
     groups: list[tuple[int, int]] = []
     open_start: int | None = None  # start of opening glue waiting for its content
@@ -69,10 +70,7 @@ def group_spans(prompt: CanonicalPrompt) -> list[tuple[int, int]]:
             groups.append((open_start, end))
             open_start = None
     if open_start is not None:  # trailing glue
-        if groups:
-            groups[-1] = (groups[-1][0], len(prompt))
-        else:
-            groups.append((open_start, len(prompt)))
+        groups.append((open_start, len(prompt)))
     return groups
 
 

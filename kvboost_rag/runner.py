@@ -1,9 +1,15 @@
-"""Runner: canonical-schedule prefill and token-by-token decode.
+"""Runner: prefill from the store, and token-by-token decode.
 
-Prefill walks the prompt chunk by chunk. A chunk found in the store is laid
-into the cache as stored; a missing one is run through the model over the
-cache built so far and then stored. The cold and warm paths therefore perform
-the same forward calls on the same inputs, and produce the same bits.
+Prefill walks the prompt's chunks. Stored chunks are laid into the cache as
+stored; each run of missing chunks is run through the model over the cache
+built so far, then stored. Two schedules keep this exact (DESIGN.md contract 2):
+
+- *split-invariant* (``assembler.invariant``): every forward gives each token
+  the bits of one forward over the whole prompt, so a run of missing chunks is
+  one call (at most ``step_tokens`` tokens a call) and any stored prefix is
+  reusable, chunk by (small) chunk;
+- *canonical* (the fallback): one forward per chunk, the same calls whatever is
+  stored, so the cold and warm paths perform the same operations.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from transformers.cache_utils import Cache
 from .assembler import Assembler
 from .keys import Chunk
 from .sampling import SamplingParams, select_token
-from .store.base import KVStore, StoredChunk
+from .store.base import Hit, KVStore, StoredChunk
 from .store.writer import prefill_in_progress
 
 ATTENTION_COST_SPAN = 2048
@@ -50,6 +56,63 @@ def recompute_cost(chunk: Chunk) -> float:
     return chunk.num_tokens * (1.0 + chunk.start / ATTENTION_COST_SPAN)
 
 
+class CacheFiller:
+    """Fills one cache along a prompt's chunks, counting what came from where."""
+
+    def __init__(
+        self, assembler: Assembler, token_ids: Sequence[int], chunks: Sequence[Chunk], cache: Cache,
+        store: KVStore | None, step_tokens: int | None,
+    ) -> None:
+        self.assembler, self.token_ids, self.chunks, self.cache = assembler, token_ids, chunks, cache
+        self.store, self.step_tokens = store, step_tokens
+        self.cached: Counter[str] = Counter()
+        self.recomputed = self.stored = 0
+
+    def lay(self, hits: Sequence[Hit], tokens: int | None = None) -> None:
+        """Append stored chunks (of the last one only its first ``tokens`` when given)."""
+        kvs = [h.chunk.kv for h in hits]
+        if tokens is not None:
+            kvs[-1] = kvs[-1][:, :, :, :tokens]
+        self.assembler.append(self.cache, kvs)
+        for hit, kv in zip(hits, kvs, strict=True):
+            self.cached[hit.tier] += kv.shape[3]
+
+    def compute(self, first: int, last: int, *, logits: bool, store_logits: bool) -> torch.Tensor | None:
+        """Run chunks ``first..last`` (inclusive) over the cache and store them; logits of the last token."""
+        chunks = self.chunks[first : last + 1]
+        if self.assembler.invariant:
+            spans = _steps(chunks[0].start, chunks[-1].end, self.step_tokens)
+        else:  # the canonical schedule: one forward per chunk
+            spans = [(c.start, c.end) for c in chunks]
+        out = None
+        for start, end in spans:
+            out = self.assembler.forward(
+                self.cache, self.token_ids[start:end], start, logits=logits and end == chunks[-1].end
+            )
+        self.recomputed += chunks[-1].end - chunks[0].start
+        if self.store is not None:
+            for i in range(first, last + 1):
+                keep = out.clone() if store_logits and i == last and out is not None else None
+                self.put(i, self.assembler.extract(self.cache, self.chunks[i].start, self.chunks[i].end), keep)
+        return out
+
+    def put(self, i: int, kv: torch.Tensor, logits: torch.Tensor | None) -> None:
+        chunk = self.chunks[i]
+        entry = StoredChunk(
+            kv, logits, token_ids=tuple(self.token_ids[chunk.start : chunk.end]),
+            parent_key=self.chunks[i - 1].key if i else None,
+        )
+        assert self.store is not None
+        self.store.put(chunk.key, entry, cost=recompute_cost(chunk))
+        self.stored += chunk.num_tokens
+
+
+def _steps(start: int, end: int, step_tokens: int | None) -> list[tuple[int, int]]:
+    """``start..end`` cut into calls of at most ``step_tokens`` tokens."""
+    step = step_tokens or end - start
+    return [(s, min(s + step, end)) for s in range(start, end, step)]
+
+
 def prefill(
     assembler: Assembler,
     token_ids: Sequence[int],
@@ -60,58 +123,52 @@ def prefill(
     store_last_logits: bool = True,
     reusable: bool = True,
     need_logits: bool = True,
+    step_tokens: int | None = None,
 ) -> PrefillOutcome:
-    """Fill a cache with ``token_ids`` over the canonical schedule ``chunks``.
+    """Fill a cache with ``token_ids`` along ``chunks``, reading what ``store`` holds and storing the rest.
 
     ``need_logits=False`` (a prefix that more tokens will follow) skips the LM head, and a
-    stored last chunk is used even when it kept no logits.
+    stored last chunk is used even when it kept no logits. ``step_tokens`` caps the tokens
+    of one forward in split-invariant mode (memory), at no cost to exactness.
     """
     cache = assembler.new_cache(capacity, reusable=reusable)
-    cached: Counter[str] = Counter()
-    recomputed = stored = 0
-    logits: torch.Tensor | None = None
+    filler = CacheFiller(assembler, token_ids, chunks, cache, store, step_tokens)
     last = len(chunks) - 1
+    logits: torch.Tensor | None = None
+    hits: list[Hit] = []  # stored chunks not laid yet
+    missing: int | None = None  # first chunk of a run not computed yet
     with holding_writes(assembler):
         for i, chunk in enumerate(chunks):
             hit = store.get(chunk.key) if store is not None else None
-            if hit is not None and (i < last or not need_logits or hit.chunk.last_logits is not None):
-                assembler.append(cache, hit.chunk.kv)
-                cached[hit.tier] += chunk.num_tokens
+            final = i == last and need_logits
+            if hit is not None and (not final or hit.chunk.last_logits is not None):
+                if missing is not None:
+                    filler.compute(missing, i - 1, logits=False, store_logits=False)
+                    missing = None
+                hits.append(hit)
                 logits = hit.chunk.last_logits
                 continue
-            logits = compute_chunk(
-                assembler, cache, token_ids, chunks, i,
-                store=store, need_logits=need_logits and i == last, store_logits=store_last_logits and i == last,
-            )
-            recomputed += chunk.num_tokens
-            stored += chunk.num_tokens if store is not None else 0
+            if hits:
+                filler.lay(hits)
+                hits = []
+            if hit is not None and assembler.invariant and missing is None:
+                # The last chunk is stored, but not as a prompt's end: its logits come from
+                # running its last token again, which gives the bits of a cold prefill.
+                filler.lay([hit], chunk.num_tokens - 1)
+                logits = assembler.forward(cache, token_ids[chunk.end - 1 : chunk.end], chunk.end - 1)
+                filler.recomputed += 1
+                if store is not None and store_last_logits:
+                    store.put(chunk.key, StoredChunk(hit.chunk.kv, logits.clone(), hit.chunk.token_ids,
+                                                     hit.chunk.parent_key), cost=recompute_cost(chunk))
+                continue
+            if missing is None:
+                missing = i
+        if hits:
+            filler.lay(hits)
+        if missing is not None:
+            logits = filler.compute(missing, last, logits=need_logits, store_logits=store_last_logits and need_logits)
     assert logits is not None or not need_logits  # chunks is never empty: the canonicalizer refuses empty prompts
-    return PrefillOutcome(cache, logits, cached, recomputed, stored)
-
-
-def compute_chunk(
-    assembler: Assembler,
-    cache: Cache,
-    token_ids: Sequence[int],
-    chunks: Sequence[Chunk],
-    i: int,
-    *,
-    store: KVStore | None,
-    need_logits: bool,
-    store_logits: bool,
-) -> torch.Tensor | None:
-    """Run chunk ``i`` over ``cache`` (which holds everything before it) and store its KV under its prefix key."""
-    chunk = chunks[i]
-    logits = assembler.forward(cache, list(token_ids[chunk.start : chunk.end]), chunk.start, logits=need_logits)
-    if store is not None:
-        entry = StoredChunk(
-            assembler.extract(cache, chunk.start, chunk.end),
-            logits.clone() if store_logits and logits is not None else None,
-            token_ids=tuple(token_ids[chunk.start : chunk.end]),
-            parent_key=chunks[i - 1].key if i else None,
-        )
-        store.put(chunk.key, entry, cost=recompute_cost(chunk))
-    return logits
+    return PrefillOutcome(cache, logits, filler.cached, filler.recomputed, filler.stored)
 
 
 def decode(
@@ -131,5 +188,5 @@ def decode(
         yield token
         if token in eos_ids or step == max_new_tokens - 1:
             return
-        logits = assembler.forward(cache, [token], position)
+        logits = assembler.forward(cache, [token], position, exact_rows=False)
         position += 1

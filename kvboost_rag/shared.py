@@ -19,7 +19,7 @@ class EngineSpec(NamedTuple):
     dtype: str
     device: str | None
     store_dir: str | None
-    chunk_size: int
+    chunk_size: int | None
     redis_url: str | None = None
 
 

@@ -22,7 +22,7 @@ def prompt(order: list[int]) -> list[Segment]:
 
 def warmed(arch: str = "llama", **config: object) -> KVBoostEngine:
     engine = KVBoostEngine(tiny_model(arch), tiny_tokenizer(), config=EngineConfig(**config))
-    engine.prewarm(DOCS, prefix=PREFIX)
+    engine.prewarm(DOCS, prefix=[Segment(PREFIX)])
     return engine
 
 
@@ -99,7 +99,7 @@ def test_reused_documents_sit_at_their_new_positions():
 def test_blend_finds_documents_pre_warmed_by_another_process(tmp_path):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     with KVBoostEngine(model, tok, store_dir=tmp_path) as writer:
-        writer.prewarm(DOCS, prefix=PREFIX)
+        writer.prewarm(DOCS, prefix=[Segment(PREFIX)])
     with KVBoostEngine(model, tok, store_dir=tmp_path, config=EngineConfig(reuse="blend")) as reader:
         r = reader.generate(prompt([0, 2]), max_new_tokens=4)
     assert r.usage.cached_tokens_by_tier.get("disk", 0) > 0

@@ -312,3 +312,25 @@ def test_bos_with_chat_messages_and_template_emitting_bos():
     assert p.text == tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert p.token_ids[0] == bos
     assert p.token_ids.count(bos) == 1
+
+
+# -- paragraph cuts ------------------------------------------------------------
+
+
+def test_text_is_cut_before_paragraph_breaks(canon):
+    p = canon.canonicalize("Context:\n\nFirst passage.\n\n\nSecond passage.\nSame paragraph.")
+    assert [s.text for s in p.segments] == ["Context:", "\n\nFirst passage.", "\n\n\nSecond passage.\nSame paragraph."]
+    assert canon.decode(p.token_ids) == p.text
+
+
+def test_a_paragraph_has_the_same_tokens_wherever_it_follows_a_break(canon):
+    passage = "\n\nThe quick brown fox jumps over the lazy dog."
+    a = canon.canonicalize("Context:" + passage + "\n\nQuestion?")
+    b = canon.canonicalize("Other words first." + passage)
+    ids = canon.tokenize(passage)
+    assert any(ids == x for x in a.segment_token_ids) and any(ids == x for x in b.segment_token_ids)
+
+
+def test_glue_is_never_cut(canon):
+    p = canon.canonicalize([Segment("a\n\nb", "glue")])
+    assert [s.text for s in p.segments] == ["a\n\nb"]

@@ -32,11 +32,12 @@ def same(a, b):
     assert a.token_ids == b.token_ids
 
 
+@pytest.mark.parametrize("schedule", ["invariant", "canonical"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cold_partial_full_hits_are_bitwise_identical(arch, dtype):
+def test_cold_partial_full_hits_are_bitwise_identical(arch, dtype, schedule):
     model, tok = tiny_model(arch, dtype), tiny_tokenizer()
-    cfg = EngineConfig(chunk_size=16)
+    cfg = EngineConfig(chunk_size=16, prefill_schedule=schedule)
     uncached = run(KVBoostEngine(model, tok, config=cfg.model_copy(update={"reuse": "off"})), prompt())
     assert uncached.usage.cached_tokens == 0 and uncached.usage.stored_tokens == 0
 
@@ -61,11 +62,12 @@ def test_cold_partial_full_hits_are_bitwise_identical(arch, dtype):
     same(cold, partial)
 
 
+@pytest.mark.parametrize("schedule", ["invariant", "canonical"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_holes_in_the_middle_are_recomputed_exactly(arch):
+def test_holes_in_the_middle_are_recomputed_exactly(arch, schedule):
     """A chunk missing in the middle is recomputed; the chunks after it are still reused, bit for bit."""
     model, tok = tiny_model(arch), tiny_tokenizer()
-    engine = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=16))
+    engine = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=16, prefill_schedule=schedule))
     cold = run(engine, prompt())
     chunks = engine._chunks(engine.canonicalize(prompt()))
     engine.store.remove(chunks[2].key)
@@ -105,15 +107,18 @@ def test_chat_messages_reuse_history_across_turns():
     same(ref.generate(history, max_new_tokens=8, return_logits=True), second)
 
 
-def test_last_chunk_without_logits_is_recomputed():
-    """A prompt whose every chunk is stored, but not as a final chunk, recomputes only its last chunk."""
+@pytest.mark.parametrize("schedule", ["invariant", "canonical"])
+def test_last_chunk_without_logits_is_recomputed(schedule):
+    """A prompt whose every chunk is stored, but not as a final chunk, recomputes its last token
+    (split-invariant forward) or its last chunk (canonical schedule)."""
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    engine = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=16))
+    cfg = EngineConfig(chunk_size=16, prefill_schedule=schedule)
+    engine = KVBoostEngine(model, tok, config=cfg)
     longer = run(engine, prompt())
     shorter_prompt = prompt()[:-1]
-    cold = run(KVBoostEngine(model, tok, config=EngineConfig(chunk_size=16)), shorter_prompt)
+    cold = run(KVBoostEngine(model, tok, config=cfg), shorter_prompt)
     warm = run(engine, shorter_prompt)
     chunks = engine._chunks(engine.canonicalize(shorter_prompt))
-    assert warm.usage.recomputed_tokens == chunks[-1].num_tokens
+    assert warm.usage.recomputed_tokens == (1 if schedule == "invariant" else chunks[-1].num_tokens)
     assert longer.usage.prompt_tokens > warm.usage.prompt_tokens
     same(cold, warm)

@@ -40,11 +40,12 @@ def test_consecutive_glue_joins_the_next_segment():
     assert group_spans(p) == [(0, 1), (1, 6)]
 
 
-def test_trailing_glue_joins_the_previous_group():
+def test_trailing_glue_is_a_group_of_its_own():
+    """The generation prompt opens the reply in the next turn, so it must not change earlier chunks."""
     p = prompt(("glue", [1]), ("message", [2, 3]), ("glue", [4, 5, 6]))
-    assert group_spans(p) == [(0, 6)]
+    assert group_spans(p) == [(0, 3), (3, 6)]
     p = prompt(("text", [1, 2]), ("document", [3]), ("glue", [4, 5]))
-    assert group_spans(p) == [(0, 2), (2, 5)]
+    assert group_spans(p) == [(0, 2), (2, 3), (3, 5)]
 
 
 def test_closing_template_text_joins_the_previous_group():
@@ -184,11 +185,9 @@ def test_chat_history_keys_are_stable_across_turns():
     # the conversation so far, without a generation prompt: every chunk comes back in the next turn
     history = keys(canon.canonicalize(CHAT[:2], add_generation_prompt=False), chunk_size=4)
     assert later[: len(history)] == history
-    # with the generation prompt, only its last group (which holds that prompt) differs
-    turn = canon.canonicalize(CHAT[:2])
-    last_group_start = group_spans(turn)[-1][0]
-    stable = [c.key for c in plan_chunks(turn, 4, NS) if c.end <= last_group_start]
-    assert stable and later[: len(stable)] == stable
+    # with the generation prompt, every chunk but the generation prompt's own comes back
+    turn = keys(canon.canonicalize(CHAT[:2]), chunk_size=4)
+    assert len(turn) > len(history) and turn[: len(history)] == history and later[: len(history)] == history
 
 
 # -- content keys and namespaces -------------------------------------------------------

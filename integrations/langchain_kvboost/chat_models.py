@@ -83,8 +83,9 @@ class ChatKVBoost(BaseChatModel):
     ``off`` never reads or writes the store."""
     blend_recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     """Blend mode: share of reused document tokens recomputed (None: the engine's ``blend_recompute_ratio``)."""
-    chunk_size: int = 1024
-    """Tokens per stored chunk (and prefill step)."""
+    chunk_size: int | None = None
+    """Tokens per stored chunk: the granularity of exact reuse (None: the engine's default, 64 tokens
+    with the split-invariant forward)."""
 
     @property
     def _llm_type(self) -> str:

@@ -107,7 +107,9 @@ class KVBoost(LLM):
         default=None, ge=0.0, le=1.0,
         description="Blend mode: share of reused node tokens recomputed (None: the engine's blend_recompute_ratio).",
     )
-    chunk_size: int = Field(default=1024, gt=0, description="Tokens per stored chunk (and prefill step).")
+    chunk_size: int | None = Field(
+        default=None, gt=0, description="Tokens per stored chunk, the granularity of exact reuse (None: the engine's)."
+    )
     context_window: int | None = Field(
         default=None, gt=0, description="Context window reported to LlamaIndex; None: the model's own."
     )

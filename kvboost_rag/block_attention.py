@@ -1,0 +1,164 @@
+"""Split-invariant causal attention: the KV and output of token i depend on tokens <= i only.
+
+A prefill that reuses a stored prefix runs the remaining tokens as one forward
+over the cache; a cold prefill runs all tokens at once. For both to give the
+same bits, every operation must compute a token's row the same way whatever
+other rows share the call. Two facts measured on CPU (``../shared/probes``):
+
+- matrix products give rows bitwise independent of the row count once the
+  count is a multiple of 8 (small counts take other kernels), so the assembler
+  pads every invariant forward to a multiple of :data:`ROW_MULTIPLE` rows;
+- PyTorch's CPU flash attention walks the keys in blocks of 512; a partial last
+  block changes the reduction, whole blocks (extra keys masked) do not.
+
+So the keys are cut into fixed blocks of :data:`KEY_BLOCK` from position 0. A
+query at position p in key block b = p // KEY_BLOCK attends to two parts, each
+computed the same way for every query of that block:
+
+- the *past*: the b whole blocks before its own, unmasked (one flash call);
+- its *own block*: the 512 keys of block b, masked causally (keys after p, and
+  the slots past the cache's end, get -inf).
+
+The two partial softmaxes are merged with their log-sum-exp weights, which is
+exact and elementwise. Query rows of one block are padded to a multiple of
+:data:`ROW_MULTIPLE` as well, and the query heads of each KV group are folded
+into the row axis, so grouped-query models read their keys in place.
+
+Whether the platform really behaves so is checked at load by
+:mod:`kvboost_rag.invariance`; where it does not, the engine uses the canonical
+chunk schedule instead (:mod:`kvboost_rag.chunk_attention`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .chunk_attention import merge_partial_softmax
+
+ATTENTION_NAME = "kvboost_block_sdpa"
+KEY_BLOCK = 512
+"""Keys per block of the CPU flash kernel (its ``kvSplitSize``)."""
+ROW_MULTIPLE = 8
+"""Row counts that are multiples of this take the same matrix kernels as long prefills."""
+
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``.
+
+    >>> round_up(700, 512), round_up(1024, 512), round_up(1, 8)
+    (1024, 1024, 8)
+    """
+    return -(-n // multiple) * multiple
+
+
+def available(device: torch.device) -> bool:
+    """Whether the split-invariant attention can run on ``device`` (it needs the CPU flash kernel)."""
+    return _flash_cpu is not None and device.type == "cpu"
+
+
+@dataclass(frozen=True)
+class _QueryBlock:
+    """Query rows ``lo:hi`` of a call, all in key block ``block``, with its own-block mask."""
+
+    lo: int
+    hi: int
+    block: int
+    mask: torch.Tensor
+    """Additive ``[1, 1, groups * rows, KEY_BLOCK]``: 0 where the query may attend, -inf elsewhere."""
+
+
+_state = threading.local()
+
+
+@contextmanager
+def queries_at(start: int, count: int, groups: int, dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Declare that the forward inside runs ``count`` queries at positions ``start..``.
+
+    The masks depend on the positions only, so they are built once here for every layer.
+    ``groups`` is the number of query heads per KV head.
+    """
+    blocks = []
+    lo = 0
+    while lo < count:
+        block = (start + lo) // KEY_BLOCK
+        hi = min(count, (block + 1) * KEY_BLOCK - start)
+        rows = round_up(hi - lo, ROW_MULTIPLE)
+        positions = torch.arange(start + lo, start + lo + rows, device=device) - block * KEY_BLOCK  # [rows]
+        keys = torch.arange(KEY_BLOCK, device=device)
+        mask = torch.zeros(rows, KEY_BLOCK, dtype=dtype, device=device)
+        mask.masked_fill_(keys[None, :] > positions[:, None], float("-inf"))
+        blocks.append(_QueryBlock(lo, hi, block, mask.repeat(groups, 1)[None, None]))
+        lo = hi
+    _state.blocks = blocks
+    try:
+        yield
+    finally:
+        _state.blocks = None
+
+
+def block_causal_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function.
+
+    ``query [B, H, L, D]`` at the positions declared by :func:`queries_at`; ``key``/``value``
+    ``[B, KV, S, D]`` are the cache buffers padded to whole key blocks (masked slots hold
+    finite values). Returns ``[B, L, H, D]``.
+    """
+    blocks = getattr(_state, "blocks", None)
+    if blocks is None:
+        msg = f"{ATTENTION_NAME} runs only inside queries_at(); the assembler selects it for its own forwards"
+        raise RuntimeError(msg)
+    if dropout or kwargs.get("softcap") or kwargs.get("position_bias") is not None or key.shape[-1] != value.shape[-1]:
+        msg = f"{type(module).__name__} needs attention features (soft-capping, position bias, dropout) that {ATTENTION_NAME} lacks"
+        raise NotImplementedError(msg)
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    out = query.new_empty(batch, q_len, heads, value.shape[-1])
+    for qb in blocks:
+        rows = qb.mask.shape[2] // groups
+        q = query[:, :, qb.lo : qb.hi]
+        if rows != q.shape[2]:
+            q = F.pad(q, (0, 0, 0, rows - q.shape[2]))
+        folded = q.reshape(batch, kv_heads, groups * rows, dim)  # heads of a KV group as rows
+        own = qb.block * KEY_BLOCK
+        own_k, own_v = key[:, :, own : own + KEY_BLOCK], value[:, :, own : own + KEY_BLOCK]
+        o, lse = _flash_cpu(folded, own_k, own_v, attn_mask=qb.mask, scale=scaling)
+        if qb.block:
+            o_past, lse_past = _flash_cpu(folded, key[:, :, :own], value[:, :, :own], scale=scaling)
+            o = merge_partial_softmax(o_past, lse_past, o, lse).to(query.dtype)
+        o = o.reshape(batch, heads, rows, -1)[:, :, : qb.hi - qb.lo]  # [B, H, n, D]
+        out[:, qb.lo : qb.hi] = o.transpose(1, 2)
+    return out, None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """Mask function for :data:`ATTENTION_NAME`: the attention function builds its own."""
+    return None
+
+
+def register() -> str:
+    """Register the attention and mask functions with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, block_causal_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    return ATTENTION_NAME

@@ -1,0 +1,122 @@
+"""Load-time probe: does a forward split at arbitrary points give the bits of one forward?
+
+Fine-grained exact reuse relies on it: a stored prefix is reused at any block and
+the rest computed in one call, so the KV of token i must not depend on where the
+calls were split (see :mod:`kvboost_rag.block_attention`). Whether the platform's
+kernels allow that depends on the model's shapes, the dtype, the device and the
+BLAS library, so the engine runs this probe once per model fingerprint and
+platform and remembers the answer in ``$KVBOOST_RAG_HOME/probes.json``. Where it
+fails, the engine falls back to the canonical chunk schedule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .assembler import Assembler
+from .block_attention import KEY_BLOCK
+
+logger = logging.getLogger(__name__)
+
+PROBE_VERSION = 1
+"""Bumped whenever the probe or the invariant forward changes, so remembered answers are redone."""
+
+PROBE_TOKENS = KEY_BLOCK + 45
+"""Long enough to cross a key block, so partial blocks are exercised."""
+
+SPLITS: tuple[tuple[int, ...], ...] = ((PROBE_TOKENS - 1,), (3, 290, KEY_BLOCK + 18))
+"""Cut points tried against one forward over all tokens: a last single token, and calls of odd
+lengths, one of them across a key-block boundary."""
+
+
+@dataclass(frozen=True)
+class InvarianceReport:
+    holds: bool
+    detail: str
+    """What was checked, or what differed."""
+    seconds: float = 0.0
+
+
+@contextmanager
+def _invariant(assembler: Assembler) -> Iterator[None]:
+    saved, assembler.invariant = assembler.invariant, True
+    try:
+        yield
+    finally:
+        assembler.invariant = saved
+
+
+def _run(assembler: Assembler, ids: list[int], cuts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = assembler.new_cache(len(ids))
+    logits: torch.Tensor | None = None
+    for start, end in zip((0, *cuts), (*cuts, len(ids)), strict=True):
+        logits = assembler.forward(cache, ids[start:end], start, logits=end == len(ids))
+    assert logits is not None
+    return assembler.extract(cache, 0, len(ids)), logits
+
+
+def check_split_invariance(assembler: Assembler, vocab_size: int, *, seed: int = 0) -> InvarianceReport:
+    """Run random tokens as one forward and as split forwards; compare every KV and the last logits bitwise."""
+    t0 = time.perf_counter()
+    if not assembler.can_run_invariant:
+        return InvarianceReport(False, f"no split-invariant attention for device {assembler.device.type}")
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (PROBE_TOKENS,), generator=generator).tolist()
+    try:
+        with _invariant(assembler):
+            kv, logits = _run(assembler, ids, ())
+            for cuts in SPLITS:
+                kv_split, logits_split = _run(assembler, ids, cuts)
+                if not torch.equal(kv, kv_split) or not torch.equal(logits, logits_split):
+                    diff = (kv.float() - kv_split.float()).abs().max().item()
+                    detail = f"a forward split at {list(cuts)} differs from one forward (KV by up to {diff:.1e})"
+                    return InvarianceReport(False, detail, time.perf_counter() - t0)
+    except (NotImplementedError, RuntimeError, ValueError) as e:
+        return InvarianceReport(False, f"the split-invariant forward failed: {e}", time.perf_counter() - t0)
+    detail = f"{PROBE_TOKENS} tokens split {len(SPLITS)} ways: KV and logits bitwise equal to one forward"
+    return InvarianceReport(True, detail, time.perf_counter() - t0)
+
+
+def platform_key(namespace: str) -> str:
+    """What the probe's answer depends on: the model's namespace, torch, and the CPU's kernels."""
+    parts = [str(PROBE_VERSION), namespace, torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability()]
+    if torch.cuda.is_available():
+        parts.append(torch.cuda.get_device_name())
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def remembered_invariance(assembler: Assembler, vocab_size: int, namespace: str, memo: Path) -> InvarianceReport:
+    """:func:`check_split_invariance`, run once per platform key and remembered in the ``memo`` JSON file."""
+    key = platform_key(namespace)
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known.get(key), dict):
+        try:
+            return InvarianceReport(**known[key])
+        except TypeError:
+            pass  # written by another version: probe again
+    report = check_split_invariance(assembler, vocab_size)
+    logger.info("split-invariance probe (%.2f s): %s", report.seconds, report.detail)
+    known[key] = asdict(report)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=memo.parent, delete=False, suffix=".tmp") as f:
+            json.dump(known, f)
+        os.replace(f.name, memo)  # atomic: a concurrent reader sees the old or the new file
+    except OSError as e:
+        logger.warning("could not remember the split-invariance probe in %s (%s)", memo, e)
+    return report
