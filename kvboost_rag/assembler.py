@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -190,7 +191,7 @@ class Assembler:
         kwargs = {"input_ids": ids, "position_ids": positions, "use_cache": True, self._cache_kwarg: cache}
         # The LM head runs on the last real row alone, so its kernel is the same whatever the call.
         keep = 1 if rows == n else torch.tensor([n - 1], device=device)
-        with self._forward_lock, self._attention_for(cache, start, rows):
+        with self._forward_lock, self._attention_for(cache, start, rows, invariant=exact_rows):
             if not logits:
                 self.model.base_model(**kwargs)
             else:
@@ -337,9 +338,10 @@ class Assembler:
         return self.model.config.get_text_config(decoder=True).num_hidden_layers
 
     @contextmanager
-    def _attention_for(self, cache: Cache, start: int, rows: int) -> Iterator[None]:
+    def _attention_for(self, cache: Cache, start: int, rows: int, *, invariant: bool) -> Iterator[None]:
         """Select our attention for the duration of one forward of ``rows`` queries at ``start..``
-        over a buffered cache: split-invariant in invariant mode, the chunk attention otherwise.
+        over a buffered cache: split-invariant in invariant mode (decode steps, whose KV is never
+        stored, excepted: ``invariant=False``), the chunk attention otherwise.
 
         The switch is on the shared config, so it is held only inside the call (under
         the forward lock), and the model is left as it was.
@@ -347,7 +349,7 @@ class Assembler:
         if not isinstance(cache, _BufferedCache):
             yield
             return
-        if self.invariant:
+        if self.invariant and invariant:
             dtype = next(self.model.parameters()).dtype
             with (
                 self._attention_switch(self._block_attention),
@@ -397,17 +399,15 @@ class Assembler:
             layer.update(keys.unsqueeze(0), values.unsqueeze(0))
 
 
+_FORWARD_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
 
 
 def _model_lock(model: torch.nn.Module) -> threading.Lock:
-    """One forward lock per model object, shared by every assembler of that model."""
+    """One forward lock per model object, shared by every assembler of that model (kept beside the
+    model, not on it, so the model can still be copied)."""
     with _LOCKS_GUARD:
-        lock = getattr(model, "_kvboost_forward_lock", None)
-        if lock is None:
-            lock = threading.Lock()
-            model._kvboost_forward_lock = lock  # type: ignore[assignment]
-        return lock
+        return _FORWARD_LOCKS.setdefault(model, threading.Lock())
 
 
 def _row_major_linear(x: torch.Tensor, *, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -41,7 +41,9 @@ class EngineConfig(BaseModel):
 
     store_replies: bool = True
     """After a chat request (messages), store its reply as the chat template renders it in the
-    next turn, in the background once the answer is returned, so the next turn reuses it."""
+    next turn, in the background once no request has been in progress for a moment, so the next
+    turn reuses it. Those forwards switch the model's attention while they run: call
+    ``engine.flush()`` before using the model object directly (``model.generate``)."""
 
     max_memory_bytes: int = Field(default=2 * 1024**3, ge=0)
     """Byte budget of the memory tier; least valuable chunks are evicted beyond it."""
@@ -66,9 +68,6 @@ class EngineConfig(BaseModel):
     redis_options: dict[str, Any] = Field(default_factory=dict, repr=False)
     """More :class:`~kvboost_rag.store.redis.RedisStore` arguments: ``password``, ``ssl_ca_certs``,
     ``ssl_certfile``, ``ssl_keyfile``, ``client_options``, ``connect_timeout_s``, ``timeout_s``, ..."""
-
-    find_documents: bool = True
-    """Split flat prompt text at registered (pre-warmed) documents so each is its own segment."""
 
     reuse: ReuseMode = "exact"
     """``exact``: reuse chunks under their prefix key (zero loss). ``blend``: also reuse pre-warmed

@@ -494,9 +494,9 @@ class KVBoostEngine:
 
         Such a prompt then reads the stored KV (to within one chunk of where the
         document ends), and blend reuse finds the document's paragraphs anywhere.
-        Pre-warming never changes a prompt's tokens, only what is stored. Documents already stored are skipped, so an
-        interrupted run can simply be started again. ``progress`` is called with the
-        token count of each finished document.
+        Pre-warming never changes a prompt's tokens, only what is stored. Documents
+        already stored are skipped, so an interrupted run can simply be started again.
+        ``progress`` is called with the token count of each finished document.
 
         >>> engine.prewarm(["Paris is the capital of France."], prefix="Context:\\n\\n")  # doctest: +SKIP
         """
@@ -719,7 +719,7 @@ class KVBoostEngine:
         except InvalidRequestError as e:  # a template that cannot render this: nothing to store
             logger.debug("reply not stored for the next turn: %s", e)
             return None
-        while head and head[-1].kind == "glue" or head and not head[-1].text:
+        while head and (head[-1].kind == "glue" or not head[-1].text):
             head.pop()  # the next message's opening belongs to the next turn's chunks
         if not head:
             return None

@@ -23,6 +23,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,7 +34,11 @@ MAX_PENDING = 64
 """Queued jobs beyond this are dropped (a burst of chat answers outruns the background)."""
 
 MAX_IDLE_WAIT_S = 5.0
-"""Longest a job waits for no request to be in progress; past it, it is dropped."""
+"""Longest a job waits for an idle moment; past it, it is dropped."""
+
+IDLE_GRACE_S = 0.25
+"""How long no request must have been in progress before a job starts: an agent loop's next
+call usually comes sooner, and then already holds the reply itself."""
 
 
 _OPEN: weakref.WeakSet[FollowUps] = weakref.WeakSet()
@@ -93,15 +98,24 @@ class FollowUps:
             self._queue.put(None)
             thread.join()
 
+    def _wait_for_idle(self) -> bool:
+        """Wait until no request has been in progress for ``IDLE_GRACE_S``; False after ``MAX_IDLE_WAIT_S``."""
+        deadline = time.monotonic() + MAX_IDLE_WAIT_S
+        with self._idle:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._idle.wait_for(lambda: not self._active, timeout=left):
+                    return False
+                if not self._idle.wait_for(lambda: self._active, timeout=min(IDLE_GRACE_S, left)):
+                    return True  # still idle after the grace period
+
     def _work(self) -> None:
         while True:
             job = self._queue.get()
             try:
                 if job is None:
                     return
-                with self._idle:
-                    idle = self._idle.wait_for(lambda: not self._active, timeout=MAX_IDLE_WAIT_S)
-                if idle:
+                if self._wait_for_idle():
                     job()
                 else:
                     logger.debug("no idle moment for a follow-up job; dropped")

@@ -71,6 +71,7 @@ def test_smollm2_greedy_equals_hf_generate_on_real_prompts(smol_fp32):
     for i in range(10):
         messages = rag_messages(paragraphs[2 * i : 2 * i + 2], questions[i % 2])
         ours = engine.generate(messages, max_new_tokens=12)
+        engine.flush()  # the reply is stored in the background: let it finish before using the model directly
         ids = torch.tensor([engine.canonicalize(messages).token_ids])
         with torch.inference_mode():
             hf = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
@@ -113,3 +114,21 @@ def test_real_tokenizers_keep_boundaries_stable_and_round_trip(which, request):
          for m in messages],
         tokenize=False, add_generation_prompt=True,
     ).replace("\r\n", "\n")
+
+
+@pytest.mark.parametrize("prefix_tokens", [300, 700, 1500])
+def test_smollm2_flat_prompts_reuse_a_shared_prefix_to_within_64_tokens(smol_fp32, prefix_tokens):
+    """A flat prompt sharing a prefix of P tokens (cut mid-word) with a stored one reads >= P - 64 of them,
+    and its first logits are bitwise those of a fresh engine with an empty store."""
+    model, tok = smol_fp32
+    text = " ".join(essay_paragraphs(30, max_chars=3000))
+    shared = tok.decode(tok.encode(text, add_special_tokens=False)[:prefix_tokens])[:-2]
+    engine = KVBoostEngine(model, tok)
+    assert engine.stats()["reuse"] == {"schedule": "invariant", "chunk_tokens": 64,
+                                       "probe": engine.invariance.detail, "note": None}
+    engine.generate(shared + " What is the main point?", max_new_tokens=1)
+    prompt = shared + " Which example stands out?"
+    warm = engine.generate(prompt, max_new_tokens=4, return_logits=True)
+    cold = KVBoostEngine(model, tok).generate(prompt, max_new_tokens=4, return_logits=True)
+    assert warm.usage.cached_tokens >= len(engine.canonicalize(shared)) - 64
+    assert torch.equal(warm.first_logits, cold.first_logits) and warm.token_ids == cold.token_ids

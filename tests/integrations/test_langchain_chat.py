@@ -51,10 +51,10 @@ def llm(**kw) -> ChatKVBoost:
     return ChatKVBoost(**({"model": "smollm2-135m-instruct", "dtype": "float32", "max_tokens": 16} | kw))
 
 
-def rag_chain(model: ChatKVBoost, retriever: BaseRetriever):
+def rag_chain(model: ChatKVBoost, retriever: BaseRetriever, prompt: ChatPromptTemplate = PROMPT):
     return (
         {"context": retriever | RunnableLambda(format_documents), "question": RunnablePassthrough()}
-        | PROMPT
+        | prompt
         | model
     )
 
@@ -85,16 +85,25 @@ def test_prewarmed_first_document_is_read_from_the_store(documents, tmp_path):
     assert again.skipped == 3
 
 
+# Blend finds a pre-warmed document where it starts a paragraph, so the context follows a blank line.
+PARAGRAPH_PROMPT = ChatPromptTemplate.from_messages(
+    [
+        ("system", "Answer the question using only the context. Be brief."),
+        ("human", "Context:\n\n{context}\n\nQuestion: {question}"),
+    ]
+)
+
+
 def test_blend_reuses_prewarmed_documents_in_any_order_and_labels_them(documents, tmp_path):
     model = llm(store_dir=str(tmp_path / "kv"), reuse="blend")
-    prewarm_documents(model, documents[2:5], PROMPT, context_variable="context")
+    prewarm_documents(model, documents[2:5], PARAGRAPH_PROMPT, context_variable="context")
     retriever = KeywordRetriever(documents=[documents[4], documents[2], documents[3]], k=3)
-    answer = rag_chain(model, retriever).invoke("Which point is made first?")
+    answer = rag_chain(model, retriever, PARAGRAPH_PROMPT).invoke("Which point is made first?")
     report = answer.response_metadata["kvboost"]
     assert report["approx_tokens"] > 0  # documents found away from the position they were pre-warmed at
     assert answer.usage_metadata["input_token_details"]["cache_read"] == report["cached_tokens"]
     assert report["cached_tokens"] + report["approx_tokens"] + report["recomputed_tokens"] == answer.usage_metadata["input_tokens"]
-    exact = rag_chain(llm(store_dir=str(tmp_path / "kv")), retriever).invoke("Which point is made first?")
+    exact = rag_chain(llm(store_dir=str(tmp_path / "kv")), retriever, PARAGRAPH_PROMPT).invoke("Which point is made first?")
     assert exact.response_metadata["kvboost"]["approx_tokens"] == 0
 
 

@@ -275,7 +275,8 @@ def test_a_custom_template_is_prewarmed_after_its_own_opening(embed_model, essay
     )
     response = query_engine(index, model, text_qa_template=template, similarity_top_k=1).query(QUESTION)
     node_tokens = len(model.engine.canonicalizer.tokenize(response.source_nodes[0].node.get_content(MetadataMode.LLM)))
-    assert usage.calls[0].cached_tokens > node_tokens
+    # the template's opening and the node, to within the chunk where the node ends (a newline follows it)
+    assert usage.calls[0].cached_tokens > node_tokens - model.engine.chunk_size
     close_shared_engines()
 
 
