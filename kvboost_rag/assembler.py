@@ -4,7 +4,10 @@ Stored chunks are laid into a cache, new tokens are run through the model over
 that cache, and the KV of freshly computed chunks is cut back out.
 
 Layouts:
-- transformers cache layer: keys/values ``[batch, kv_heads, seq, head_dim]`` (batch 1 except in batches)
+- transformers cache layer: keys/values ``[batch, kv_heads, seq, head_dim]`` (batch 1 except in batches);
+  our buffered layers keep ``[batch, kv_heads, capacity, head_dim]`` with ``capacity`` a whole number of
+  512-key blocks, zeros past the tokens held, and hand out views of the first ``seq`` slots (or of
+  whole key blocks, for the split-invariant attention)
 - a stored chunk: ``[layers, 2, kv_heads, tokens, head_dim]``
 """
 
@@ -393,7 +396,7 @@ class Assembler:
         for layer_idx, layer in enumerate(cache.layers):
             if len(parts) == 1:
                 keys, values = parts[0][layer_idx, 0], parts[0][layer_idx, 1]
-            else:  # one copy per layer rather than one per chunk and layer
+            else:  # a few large copies per layer rather than a small one per chunk and layer
                 keys = torch.cat([p[layer_idx, 0] for p in parts], dim=1)
                 values = torch.cat([p[layer_idx, 1] for p in parts], dim=1)
             layer.update(keys.unsqueeze(0), values.unsqueeze(0))

@@ -385,8 +385,12 @@ def test_a_full_queue_answers_429_and_admitted_requests_finish(engine):
     app = create_app(engine, model_name=MODEL, max_queue=2, close_engine=False)
     with running(app) as s, ThreadPoolExecutor(2) as pool:
         with engine._lock:  # the model is busy: admitted requests wait for it
-            admitted = [pool.submit(post_chat, s.url, f"Question {i}?") for i in range(2)]
-            wait_until(lambda: len(s.service.admission.tickets) == 2, what="two admitted requests")
+            admission = s.service.admission
+            admitted = [pool.submit(post_chat, s.url, "Question 0?")]
+            # the first one is taken by the scheduler (and waits for the model), so the second stays queued
+            wait_until(lambda: len(admission.tickets) == 1 and admission.waiting == 0, what="the first request running")
+            admitted.append(pool.submit(post_chat, s.url, "Question 1?"))
+            wait_until(lambda: len(admission.tickets) == 2, what="two admitted requests")
             refused = post_chat(s.url, "One too many?")
             assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
             error = refused.json()["error"]
