@@ -77,11 +77,12 @@ class EngineConfig(BaseModel):
     blend_recompute_ratio: float = Field(default=0.05, ge=0.0, le=1.0)
     """Blend mode: share of reused document tokens recomputed, those whose KV deviates most.
 
-    ``benchmarks/blend_quality.py`` (2-core CPU, 3-6 essay passages): at 0.05 TTFT is ~4.5x faster
-    than exact mode, at 0.15 ~3.5x, at 0.30 ~2.5x; 0.05 is the largest ratio that stays above 4x.
-    Qwen2.5-0.5B agreed with exact mode on every question at every ratio; SmolLM2-135M, far more
-    sensitive, agreed on 87 % at 0.05 and 0.15 and 93 % at 0.30 (and with itself on 93 % when
-    only the order of the passages changed), so 0.15 buys nothing over 0.05 there either."""
+    ``benchmarks/blend_quality.py`` (2-core CPU, 3-6 essay passages, exact mode prefilling at plain
+    speed): at 0.05 TTFT is 4.2x (Qwen2.5-0.5B) and 3.5x (SmolLM2-135M) faster than exact mode, at
+    0.15 3.0x / 2.7x, at 0.30 2.1x / 1.9x. Qwen2.5-0.5B agreed with exact mode on every question at
+    every ratio; SmolLM2-135M, far more sensitive, agreed on 90 % at 0.05, 87 % at 0.15 and 93 % at
+    0.30 (and with itself on 93 % when only the order of the passages changed), so 0.15 buys
+    nothing over 0.05 there."""
 
     blend_boundary_tokens: int = Field(default=8, ge=0)
     """Blend mode: leading tokens of each reused document that are always recomputed."""
