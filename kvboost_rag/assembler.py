@@ -373,7 +373,8 @@ class Assembler:
         previous = config._attn_implementation
         config._attn_implementation = name
         try:
-            yield
+            with chunk_attention.owned():  # other threads' forwards meanwhile get plain SDPA
+                yield
         finally:
             config._attn_implementation = previous
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .chunk_attention import merge_partial_softmax
+from .chunk_attention import for_others, mask_for_others, merge_partial_softmax
 
 ATTENTION_NAME = "kvboost_block_sdpa"
 KEY_BLOCK = 512
@@ -149,16 +149,11 @@ def block_causal_attention(
     return out, None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """Mask function for :data:`ATTENTION_NAME`: the attention function builds its own."""
-    return None
-
-
 def register() -> str:
     """Register the attention and mask functions with transformers (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION_NAME, block_causal_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    AttentionInterface.register(ATTENTION_NAME, for_others(block_causal_attention))
+    AttentionMaskInterface.register(ATTENTION_NAME, mask_for_others)
     return ATTENTION_NAME

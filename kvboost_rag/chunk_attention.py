@@ -19,8 +19,9 @@ own keys are attended with their mask, and the two parts are merged the same way
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -140,9 +141,48 @@ def shared_prefix_attention(
     return merged.transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """Mask function for :data:`ATTENTION_NAME`: the attention function needs none."""
-    return None
+_owner = threading.local()
+
+
+@contextmanager
+def owned() -> Iterator[None]:
+    """Mark the forward inside (on this thread) as ours: our attention and mask functions apply.
+
+    The model's config names our attention while one of our forwards runs. A forward that
+    another thread runs over the same model meanwhile (``model.generate`` while the engine
+    stores a reply in the background) is not ours, and gets plain SDPA and its mask.
+    """
+    previous = getattr(_owner, "active", False)
+    _owner.active = True
+    try:
+        yield
+    finally:
+        _owner.active = previous
+
+
+def for_others(attention: Callable[..., tuple[torch.Tensor, None]]) -> Callable[..., tuple[torch.Tensor, None]]:
+    """``attention`` in our forwards, transformers' SDPA in anyone else's."""
+
+    @functools.wraps(attention)
+    def dispatch(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        if getattr(_owner, "active", False):
+            return attention(module, query, key, value, attention_mask, *args, **kwargs)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return dispatch
+
+
+def mask_for_others(*args: Any, **kwargs: Any) -> Any:
+    """Mask function of our attention names: none in our forwards (our functions mask by
+    themselves, or take the batch's own 4D mask), SDPA's in anyone else's."""
+    if getattr(_owner, "active", False):
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
 
 
 def register() -> str:
@@ -150,9 +190,9 @@ def register() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION_NAME, chunked_causal_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    AttentionInterface.register(ATTENTION_NAME, for_others(chunked_causal_attention))
+    AttentionMaskInterface.register(ATTENTION_NAME, mask_for_others)
     # Batches pass their own 4D masks, which transformers hands through unchanged.
-    AttentionInterface.register(SHARED_PREFIX_NAME, shared_prefix_attention)
-    AttentionMaskInterface.register(SHARED_PREFIX_NAME, _no_mask)
+    AttentionInterface.register(SHARED_PREFIX_NAME, for_others(shared_prefix_attention))
+    AttentionMaskInterface.register(SHARED_PREFIX_NAME, mask_for_others)
     return ATTENTION_NAME

@@ -42,8 +42,7 @@ class EngineConfig(BaseModel):
     store_replies: bool = True
     """After a chat request (messages), store its reply as the chat template renders it in the
     next turn, in the background once no request has been in progress for a moment, so the next
-    turn reuses it. Those forwards switch the model's attention while they run: call
-    ``engine.flush()`` before using the model object directly (``model.generate``)."""
+    turn reuses it. ``engine.flush()`` waits for that work (before timing the model directly, say)."""
 
     max_memory_bytes: int = Field(default=2 * 1024**3, ge=0)
     """Byte budget of the memory tier; least valuable chunks are evicted beyond it."""

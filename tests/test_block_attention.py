@@ -59,3 +59,32 @@ def test_refuses_what_it_cannot_compute():
     q, k, v = keys_and_values(8, torch.float32)
     with queries_at(0, 8, HEADS // KV_HEADS, q.dtype, q.device), pytest.raises(NotImplementedError, match="soft"):
         block_causal_attention(torch.nn.Module(), q, k, v, None, softcap=30.0)
+
+
+def test_other_threads_forwards_get_plain_sdpa_while_ours_runs():
+    """While one of our forwards has the model's config switched to our attention, a forward another thread
+    runs over the same model (``model.generate`` beside a background job) gets plain SDPA and its mask."""
+    import threading
+
+    from helpers import tiny_model
+
+    from kvboost_rag.assembler import Assembler
+
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 9, 13, 21, 34, 55, 89, 144]])
+    with torch.inference_mode():
+        expected = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assembler = Assembler(model)
+    results = []
+    for name in (block_attention.register(), "kvboost_chunked_sdpa"):
+        with assembler._attention_switch(name):  # as during one of our forwards on this thread
+            assert model.config._attn_implementation == name
+            worker = threading.Thread(target=lambda: results.append(_generate(model, ids)))
+            worker.start()
+            worker.join()
+    assert len(results) == 2 and all(torch.equal(r, expected) for r in results)
+
+
+def _generate(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.generate(ids, max_new_tokens=6, do_sample=False)
