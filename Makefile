@@ -46,6 +46,10 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: setup
+	# lint, format and types first (seconds), then the tests and the package's doctests
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 demo: setup

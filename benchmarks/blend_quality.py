@@ -60,13 +60,18 @@ def plant(passage: str, fact: str, rng: random.Random) -> str:
     return f"{passage[:at]}{fact} {passage[at:]}"
 
 
-def make_questions(tokenizer: Any, n_questions: int, passage_tokens: int, seed: int) -> tuple[list[str], list[dict]]:
+def make_questions(
+    tokenizer: Any, n_questions: int, passage_tokens: int, seed: int
+) -> tuple[list[str], list[dict]]:
     """Passages and questions: passage ``q`` holds question ``q``'s fact; the others come from a pool
     of passages without facts, so exactly one passage in a prompt answers its question."""
     rng = random.Random(seed)
     text = essay_text()
     n_passages = n_questions + max(12, n_questions // 2)
-    passages = [text_of_tokens(tokenizer, text, passage_tokens, 4000 + k * passage_tokens * 3).strip() for k in range(n_passages)]
+    passages = [
+        text_of_tokens(tokenizer, text, passage_tokens, 4000 + k * passage_tokens * 3).strip()
+        for k in range(n_passages)
+    ]
     questions = []
     for q in range(n_questions):
         color, thing = COLORS[q % len(COLORS)], THINGS[(q // len(COLORS)) % len(THINGS)]
@@ -74,7 +79,9 @@ def make_questions(tokenizer: Any, n_questions: int, passage_tokens: int, seed: 
         passages[q] = plant(passages[q], f"The access code of the {color} {thing} is {code}.", rng)
         order = [q, *rng.sample(range(n_questions, n_passages), rng.randint(2, 5))]
         rng.shuffle(order)
-        questions.append({"docs": order, "question": f"What is the access code of the {color} {thing}?", "answer": code})
+        questions.append(
+            {"docs": order, "question": f"What is the access code of the {color} {thing}?", "answer": code}
+        )
     return passages, questions
 
 
@@ -86,7 +93,10 @@ def answer_of(text: str) -> str:
 
 def messages(passages: list[str], q: dict) -> list[dict[str, str]]:
     docs = "\n\n".join(passages[k] for k in q["docs"])
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_message(docs, q["question"])}]
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": user_message(docs, q["question"])},
+    ]
 
 
 def reordered(q: dict, rng: random.Random) -> dict:
@@ -116,8 +126,11 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 def run_model(name: str, n_questions: int, args: argparse.Namespace) -> dict[str, Any]:
     engine = KVBoostEngine.from_pretrained(
-        name, dtype=args.dtype, max_memory_bytes=8 * 1024**3,
-        blend_boundary_tokens=args.boundary_tokens, blend_select_layer=args.select_layer,
+        name,
+        dtype=args.dtype,
+        max_memory_bytes=8 * 1024**3,
+        blend_boundary_tokens=args.boundary_tokens,
+        blend_select_layer=args.select_layer,
     )
     passages, questions = make_questions(engine.tokenizer, n_questions, args.passage_tokens, args.seed)
     # Pre-warm every passage after the exact text that precedes the documents in the prompt.
@@ -125,9 +138,18 @@ def run_model(name: str, n_questions: int, args: argparse.Namespace) -> dict[str
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_message(MARKER, "")}]
     )
     report = engine.prewarm(passages, prefix=segments_before(rendered, MARKER))
-    print(f"{name}: pre-warmed {report.documents} passages, {report.tokens} tokens in {report.seconds:.1f} s", flush=True)
+    print(
+        f"{name}: pre-warmed {report.documents} passages, {report.tokens} tokens in {report.seconds:.1f} s",
+        flush=True,
+    )
     modes = [f"blend_{int(r * 100)}" for r in args.ratios]
-    per_mode: dict[str, dict[str, list]] = {m: {k: [] for k in ("ttft", "speedup", "agree", "same_text", "top1", "kl", "correct", "approx", "select_s")} for m in [*modes, "exact"]}
+    per_mode: dict[str, dict[str, list]] = {
+        m: {
+            k: []
+            for k in ("ttft", "speedup", "agree", "same_text", "top1", "kl", "correct", "approx", "select_s")
+        }
+        for m in [*modes, "exact"]
+    }
     reference: dict[str, list] = {k: [] for k in ("agree", "same_text", "top1", "kl", "correct")}
     order_rng = random.Random(args.seed + 1)
     records: list[dict[str, Any]] = []
@@ -137,20 +159,37 @@ def run_model(name: str, n_questions: int, args: argparse.Namespace) -> dict[str
         blends = {}
         for ratio, mode in zip(args.ratios, modes, strict=True):
             blends[mode] = engine.generate(
-                prompt, reuse="blend", blend_recompute_ratio=ratio, max_new_tokens=args.max_new_tokens, stop=STOPS,
+                prompt,
+                reuse="blend",
+                blend_recompute_ratio=ratio,
+                max_new_tokens=args.max_new_tokens,
+                stop=STOPS,
                 return_logits=True,
             )
-        exact = engine.generate(prompt, reuse="exact", max_new_tokens=args.max_new_tokens, stop=STOPS, return_logits=True)
-        other = engine.generate(messages(passages, reordered(q, order_rng)), reuse="exact",
-                                max_new_tokens=args.max_new_tokens, stop=STOPS, return_logits=True)
+        exact = engine.generate(
+            prompt, reuse="exact", max_new_tokens=args.max_new_tokens, stop=STOPS, return_logits=True
+        )
+        other = engine.generate(
+            messages(passages, reordered(q, order_rng)),
+            reuse="exact",
+            max_new_tokens=args.max_new_tokens,
+            stop=STOPS,
+            return_logits=True,
+        )
         for key, value in against(other, exact, q["answer"]).items():
             reference[key].append(value)
-        records.append({
-            "docs": len(q["docs"]), "prompt_tokens": exact.usage.prompt_tokens, "answer": q["answer"],
-            **{mode: {"text": r.text, "ttft_s": r.timings.ttft_s, "approx_tokens": r.usage.approx_tokens}
-               for mode, r in [*blends.items(), ("exact", exact)]},
-            "exact_reordered": {"text": other.text},
-        })
+        records.append(
+            {
+                "docs": len(q["docs"]),
+                "prompt_tokens": exact.usage.prompt_tokens,
+                "answer": q["answer"],
+                **{
+                    mode: {"text": r.text, "ttft_s": r.timings.ttft_s, "approx_tokens": r.usage.approx_tokens}
+                    for mode, r in [*blends.items(), ("exact", exact)]
+                },
+                "exact_reordered": {"text": other.text},
+            }
+        )
         for mode, r in [*blends.items(), ("exact", exact)]:
             row = per_mode[mode]
             row["ttft"].append(r.timings.ttft_s)
@@ -160,11 +199,17 @@ def run_model(name: str, n_questions: int, args: argparse.Namespace) -> dict[str
             row["approx"].append(r.usage.approx_tokens / r.usage.prompt_tokens)
             row["select_s"].append(r.timings.select_s)
         print(
-            f"  q{n + 1:>3} docs={len(q['docs'])} tokens={exact.usage.prompt_tokens} exact ttft={exact.timings.ttft_s:.2f}s "
-            + " ".join(f"{m}:{'=' if answer_of(blends[m].text) == answer_of(exact.text) else 'x'}{exact.timings.ttft_s / blends[m].timings.ttft_s:.1f}x" for m in modes),
+            f"  q{n + 1:>3} docs={len(q['docs'])} tokens={exact.usage.prompt_tokens} "
+            f"exact ttft={exact.timings.ttft_s:.2f}s "
+            + " ".join(
+                f"{m}:{'=' if answer_of(blends[m].text) == answer_of(exact.text) else 'x'}"
+                f"{exact.timings.ttft_s / blends[m].timings.ttft_s:.1f}x"
+                for m in modes
+            ),
             flush=True,
         )
     engine.close()
+
     def agreement(mode: str, row: dict[str, list]) -> dict[str, Any]:
         return {
             "model": name,
@@ -185,7 +230,9 @@ def run_model(name: str, n_questions: int, args: argparse.Namespace) -> dict[str
             "approx_share": statistics.mean(row["approx"]),
             "select_s": summary(row["select_s"]),
             "speedup_by_docs": {
-                str(d): summary([s for s, q in zip(row["speedup"], questions, strict=True) if len(q["docs"]) == d])
+                str(d): summary(
+                    [s for s, q in zip(row["speedup"], questions, strict=True) if len(q["docs"]) == d]
+                )
                 for d in sorted({len(q["docs"]) for q in questions})
             },
         }
@@ -206,14 +253,32 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         rows = [r for r in res["rows"] if r["mode"].startswith("blend")]
         own = next(r for r in res["rows"] if r["mode"] == "exact_reordered")
         ratios = [int(r["mode"].split("_")[1]) for r in rows]
-        (line,) = ax_a.plot(ratios, [100 * r["answer_agreement"] for r in rows], marker="o", label=f"{res['model']} answers")
-        ax_a.axhline(100 * own["answer_agreement"], color=line.get_color(), linestyle="-.", linewidth=0.8,
-                     label=f"{res['model']} exact, documents reordered")
-        ax_a.plot(ratios, [100 * r["top1_agreement"] for r in rows], marker="x", linestyle="--", label=f"{res['model']} top-1")
+        (line,) = ax_a.plot(
+            ratios, [100 * r["answer_agreement"] for r in rows], marker="o", label=f"{res['model']} answers"
+        )
+        ax_a.axhline(
+            100 * own["answer_agreement"],
+            color=line.get_color(),
+            linestyle="-.",
+            linewidth=0.8,
+            label=f"{res['model']} exact, documents reordered",
+        )
+        ax_a.plot(
+            ratios,
+            [100 * r["top1_agreement"] for r in rows],
+            marker="x",
+            linestyle="--",
+            label=f"{res['model']} top-1",
+        )
         speed = [r["speedup_vs_exact"] for r in rows]
-        ax_s.errorbar(ratios, [s["median"] for s in speed],
-                      yerr=[[s["median"] - s["q1"] for s in speed], [s["q3"] - s["median"] for s in speed]],
-                      marker="o", capsize=3, label=res["model"])
+        ax_s.errorbar(
+            ratios,
+            [s["median"] for s in speed],
+            yerr=[[s["median"] - s["q1"] for s in speed], [s["q3"] - s["median"] for s in speed]],
+            marker="o",
+            capsize=3,
+            label=res["model"],
+        )
     ax_a.axhline(98, color="grey", linestyle=":", label="target 98 %")
     ax_a.set(xlabel="recompute ratio (%)", ylabel="agreement with exact mode (%)", title="Quality")
     ax_s.axhline(4, color="grey", linestyle=":", label="target 4x")
@@ -226,9 +291,16 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
-    parser.add_argument("--questions", type=int, nargs="+", default=[30, 24],
-                        help="questions per model, in --models order (the last count repeats)")
+    parser.add_argument(
+        "--models", nargs="+", default=["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+    )
+    parser.add_argument(
+        "--questions",
+        type=int,
+        nargs="+",
+        default=[30, 24],
+        help="questions per model, in --models order (the last count repeats)",
+    )
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.05, 0.15, 0.3])
     parser.add_argument("--passage-tokens", type=int, default=250)
     parser.add_argument("--max-new-tokens", type=int, default=20)
@@ -247,17 +319,33 @@ def main() -> None:
     results = [run_model(name, n, args) for name, n in zip(args.models, counts, strict=True)]
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "settings": settings, "seconds": time.perf_counter() - t0, "results": results}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": machine(),
+                "settings": settings,
+                "seconds": time.perf_counter() - t0,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     plot(results, args.out.with_suffix(".png"))
     for res in results:
         for r in res["rows"]:
             if r["mode"] == "exact_reordered":
-                print(f"{r['model']:<30} exact, documents reordered: agree {100 * r['answer_agreement']:5.1f}%  "
-                      f"top1 {100 * r['top1_agreement']:5.1f}%  KL {r['kl_first_token']['median']:.4f}")
+                print(
+                    f"{r['model']:<30} exact, documents reordered: "
+                    f"agree {100 * r['answer_agreement']:5.1f}%  "
+                    f"top1 {100 * r['top1_agreement']:5.1f}%  KL {r['kl_first_token']['median']:.4f}"
+                )
                 continue
-            print(f"{r['model']:<30} {r['mode']:<9} agree {100 * r['answer_agreement']:5.1f}%  top1 {100 * r['top1_agreement']:5.1f}%  "
-                  f"KL {r['kl_first_token']['median']:.4f}  acc {100 * r['exact_match_accuracy']:5.1f}%  "
-                  f"TTFT {r['ttft_s']['median']:.3f}s  speedup {r['speedup_vs_exact']['median']:.2f}x")
+            print(
+                f"{r['model']:<30} {r['mode']:<9} agree {100 * r['answer_agreement']:5.1f}%  "
+                f"top1 {100 * r['top1_agreement']:5.1f}%  "
+                f"KL {r['kl_first_token']['median']:.4f}  acc {100 * r['exact_match_accuracy']:5.1f}%  "
+                f"TTFT {r['ttft_s']['median']:.3f}s  speedup {r['speedup_vs_exact']['median']:.2f}x"
+            )
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 

@@ -65,20 +65,25 @@ def conversations(tokenizer: Any, n: int, turns: int, max_message_tokens: int) -
     out = []
     for record in sharegpt_records():
         msgs = record.get("conversations", [])
-        pairs = list(zip(msgs[0::2], msgs[1::2]))[:turns]
+        pairs = list(zip(msgs[0::2], msgs[1::2], strict=False))[:turns]
         if len(pairs) < turns or any(h.get("from") != "human" or g.get("from") != "gpt" for h, g in pairs):
             continue
         texts = [m["value"] for pair in pairs for m in pair]
         if any(not t.strip() or sum(c.isascii() for c in t) < 0.95 * len(t) for t in texts):
             continue
-        cut = [tokenizer.decode(tokenizer.encode(t, add_special_tokens=False)[:max_message_tokens]) for t in texts]
+        cut = [
+            tokenizer.decode(tokenizer.encode(t, add_special_tokens=False)[:max_message_tokens])
+            for t in texts
+        ]
         out.append([{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(cut)])
         if len(out) == n:
             return out
     raise SystemExit(f"only {len(out)} ShareGPT conversations have {turns} turns")
 
 
-def replay(engine: KVBoostEngine, conversation: list[dict[str, str]], turns: int, llama: LlamaCppPeer | None) -> list[dict]:
+def replay(
+    engine: KVBoostEngine, conversation: list[dict[str, str]], turns: int, llama: LlamaCppPeer | None
+) -> list[dict]:
     chat = ChatCache(engine.model)
     if llama is not None:
         llama.llm.reset()
@@ -93,9 +98,9 @@ def replay(engine: KVBoostEngine, conversation: list[dict[str, str]], turns: int
             "cached_tokens": result.usage.cached_tokens,
             "recomputed_tokens": result.usage.recomputed_tokens,
             "kvboost": result.timings.ttft_s,
-            "reply_store": timed(lambda: engine.store_reply(messages, conversation[2 * t - 1]["content"])),
-            "plain_hf": timed(lambda: plain_prefill(engine.model, ids)),
-            "hf_chat_cache": timed(lambda: chat.first_token(ids)),
+            "reply_store": timed(engine.store_reply, messages, conversation[2 * t - 1]["content"]),
+            "plain_hf": timed(plain_prefill, engine.model, ids),
+            "hf_chat_cache": timed(chat.first_token, ids),
         }
         if llama is not None:
             row["llama_cpp"] = llama.ttft(ids, keep_context=True)
@@ -104,7 +109,9 @@ def replay(engine: KVBoostEngine, conversation: list[dict[str, str]], turns: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--max-message-tokens", type=int, default=256)
@@ -126,33 +133,57 @@ def main() -> None:
         rows = replay(engine, conv, args.turns, llama)
         per_conv.append(rows)
         last = rows[-1]
-        print(f"conversation {k + 1}: turn {last['turn']} {last['prompt_tokens']} tokens, kvboost "
-              f"{last['kvboost'] * 1000:.0f} ms, plain {last['plain_hf'] * 1000:.0f} ms, "
-              f"HF chat cache {last['hf_chat_cache'] * 1000:.0f} ms"
-              + (f", llama.cpp {last['llama_cpp'] * 1000:.0f} ms" if llama else ""), flush=True)
+        print(
+            f"conversation {k + 1}: turn {last['turn']} {last['prompt_tokens']} tokens, kvboost "
+            f"{last['kvboost'] * 1000:.0f} ms, plain {last['plain_hf'] * 1000:.0f} ms, "
+            f"HF chat cache {last['hf_chat_cache'] * 1000:.0f} ms"
+            + (f", llama.cpp {last['llama_cpp'] * 1000:.0f} ms" if llama else ""),
+            flush=True,
+        )
     peers = ["plain_hf", "hf_chat_cache", *(["llama_cpp"] if llama else [])]
     turns = []
     for t in range(args.turns):
         at = [rows[t] for rows in per_conv]
-        turns.append({
-            "turn": t + 1,
-            "prompt_tokens": summary([r["prompt_tokens"] for r in at]),
-            "cached_share": statistics.mean(r["cached_tokens"] / r["prompt_tokens"] for r in at),
-            "recomputed_tokens": summary([r["recomputed_tokens"] for r in at]),
-            **{k: summary([r[k] for r in at]) for k in ["kvboost", "reply_store", *peers]},
-            "speedup": {k: summary([r[k] / r["kvboost"] for r in at]) for k in peers},
-        })
+        turns.append(
+            {
+                "turn": t + 1,
+                "prompt_tokens": summary([r["prompt_tokens"] for r in at]),
+                "cached_share": statistics.mean(r["cached_tokens"] / r["prompt_tokens"] for r in at),
+                "recomputed_tokens": summary([r["recomputed_tokens"] for r in at]),
+                **{k: summary([r[k] for r in at]) for k in ["kvboost", "reply_store", *peers]},
+                "speedup": {k: summary([r[k] / r["kvboost"] for r in at]) for k in peers},
+            }
+        )
     for row in turns:
-        print(f"turn {row['turn']}: {row['prompt_tokens']['median']:.0f} tokens, cached {100 * row['cached_share']:.0f} %, "
-              f"reply stored after the answer in {row['reply_store']['median'] * 1000:.0f} ms, "
-              + ", ".join(f"{k}/kvboost {row['speedup'][k]['median']:.2f}x" for k in peers))
-    settings = {"model": MODEL, "dtype": str(next(engine.model.parameters()).dtype), "conversations": n_conv,
-                "turns": args.turns, "max_message_tokens": args.max_message_tokens, "system": SYSTEM,
-                "llama_cpp_gguf": "SmolLM2-135M-Instruct.Q4_1.gguf" if llama else None}
+        print(
+            f"turn {row['turn']}: {row['prompt_tokens']['median']:.0f} tokens, "
+            f"cached {100 * row['cached_share']:.0f} %, "
+            f"reply stored after the answer in {row['reply_store']['median'] * 1000:.0f} ms, "
+            + ", ".join(f"{k}/kvboost {row['speedup'][k]['median']:.2f}x" for k in peers)
+        )
+    settings = {
+        "model": MODEL,
+        "dtype": str(next(engine.model.parameters()).dtype),
+        "conversations": n_conv,
+        "turns": args.turns,
+        "max_message_tokens": args.max_message_tokens,
+        "system": SYSTEM,
+        "llama_cpp_gguf": "SmolLM2-135M-Instruct.Q4_1.gguf" if llama else None,
+    }
     engine.close()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "settings": settings, "seconds": time.perf_counter() - t0,
-                               "turns": turns, "conversations": per_conv}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "machine": machine(),
+                "settings": settings,
+                "seconds": time.perf_counter() - t0,
+                "turns": turns,
+                "conversations": per_conv,
+            },
+            indent=2,
+        )
+    )
     plot(turns, peers, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
@@ -163,17 +194,27 @@ def plot(turns: list[dict], peers: list[str], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {"kvboost": "kvboost-rag", "plain_hf": "plain HF prefill", "hf_chat_cache": "HF DynamicCache kept per chat",
-              "llama_cpp": "llama.cpp (Q4_1), context reuse"}
+    labels = {
+        "kvboost": "kvboost-rag",
+        "plain_hf": "plain HF prefill",
+        "hf_chat_cache": "HF DynamicCache kept per chat",
+        "llama_cpp": "llama.cpp (Q4_1), context reuse",
+    }
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = [r["turn"] for r in turns]
     for key in ["kvboost", *peers]:
         med = [r[key]["median"] for r in turns]
-        err = [[r[key]["median"] - r[key]["q1"] for r in turns], [r[key]["q3"] - r[key]["median"] for r in turns]]
+        err = [
+            [r[key]["median"] - r[key]["q1"] for r in turns],
+            [r[key]["q3"] - r[key]["median"] for r in turns],
+        ]
         ax.errorbar(x, med, yerr=err, marker="o", capsize=3, label=labels[key])
     ax.set_yscale("log")
-    ax.set(xlabel="turn", ylabel="TTFT (s), median over conversations, IQR bars",
-           title="ShareGPT chat replay, SmolLM2-135M, CPU")
+    ax.set(
+        xlabel="turn",
+        ylabel="TTFT (s), median over conversations, IQR bars",
+        title="ShareGPT chat replay, SmolLM2-135M, CPU",
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -37,8 +37,13 @@ MODES = ("batched", "one_by_one", "plain_hf")
 def prompts(context: str, n: int) -> list[list[dict[str, str]]]:
     system = "Answer the question from the text, in one sentence.\n\n" + context
     return [
-        [{"role": "system", "content": system},
-         {"role": "user", "content": f"Question {k + 1}: what does the text say about {TOPICS[k % len(TOPICS)]}?"}]
+        [
+            {"role": "system", "content": system},
+            {
+                "role": "user",
+                "content": f"Question {k + 1}: what does the text say about {TOPICS[k % len(TOPICS)]}?",
+            },
+        ]
         for k in range(n)
     ]
 
@@ -77,8 +82,13 @@ def run_plain_hf(engine: KVBoostEngine, requests: list, max_new: int) -> tuple[l
     t0, latencies, tokens = time.perf_counter(), [], 0
     for request in requests:
         ids = torch.tensor([engine.canonicalize(request).token_ids])
-        out = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                    do_sample=False, pad_token_id=engine.tokenizer.eos_token_id)
+        out = engine.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=engine.tokenizer.eos_token_id,
+        )
         latencies.append(time.perf_counter() - t0)
         tokens += out.shape[1] - ids.shape[1]
     return latencies, tokens
@@ -121,7 +131,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--clients", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=24)
@@ -145,19 +157,33 @@ def main() -> None:
         for rep in range(args.reps):
             for mode in MODES:
                 samples[mode].append(measure(*runners[mode](engine, requests, args.max_new_tokens)))
-            ratios.append(samples["batched"][-1]["requests_per_s"] / samples["one_by_one"][-1]["requests_per_s"])
-            print(f"{n} clients, rep {rep + 1}: " + ", ".join(
-                f"{mode} {samples[mode][-1]['requests_per_s']:.2f} req/s p50 {samples[mode][-1]['p50_s']:.1f} s"
-                for mode in MODES), flush=True)
+            ratios.append(
+                samples["batched"][-1]["requests_per_s"] / samples["one_by_one"][-1]["requests_per_s"]
+            )
+            print(
+                f"{n} clients, rep {rep + 1}: "
+                + ", ".join(
+                    f"{mode} {samples[mode][-1]['requests_per_s']:.2f} req/s "
+                    f"p50 {samples[mode][-1]['p50_s']:.1f} s"
+                    for mode in MODES
+                ),
+                flush=True,
+            )
         row: dict[str, Any] = {"clients": n, "batched_over_one_by_one": summary(ratios)}
         for mode in MODES:
             row[mode] = {key: summary([s[key] for s in samples[mode]]) for key in samples[mode][0]}
         row["batched_over_plain_hf"] = summary(
-            [b["requests_per_s"] / p["requests_per_s"] for b, p in zip(samples["batched"], samples["plain_hf"])]
+            [
+                b["requests_per_s"] / p["requests_per_s"]
+                for b, p in zip(samples["batched"], samples["plain_hf"], strict=True)
+            ]
         )
         rows.append(row)
-        print(f"{n} clients: batched / one-by-one throughput {row['batched_over_one_by_one']['median']:.2f}x, "
-              f"batched / plain HF {row['batched_over_plain_hf']['median']:.2f}x", flush=True)
+        print(
+            f"{n} clients: batched / one-by-one throughput {row['batched_over_one_by_one']['median']:.2f}x, "
+            f"batched / plain HF {row['batched_over_plain_hf']['median']:.2f}x",
+            flush=True,
+        )
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

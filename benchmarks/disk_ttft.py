@@ -45,7 +45,7 @@ def read_bandwidth(store_dir: Path) -> float:
     sizes = [f.stat().st_size for f in files]
     buffer = bytearray(max(sizes))
     t0 = time.perf_counter()
-    for f, size in zip(files, sizes):
+    for f, size in zip(files, sizes, strict=True):
         with open(f, "rb", buffering=0) as fh:
             fh.readinto(memoryview(buffer)[:size])
     return sum(sizes) / (time.perf_counter() - t0)
@@ -57,7 +57,13 @@ def worker(store_dir: str, doc: str, reps: int, dtype: str) -> dict:
     engine = KVBoostEngine(model, tok, store_dir=store_dir)
     memory = engine.store.tiers[0]
     engine.generate("Hello", max_new_tokens=1)  # torch start-up, touches no stored document
-    out: dict[str, list[float]] = {"disk": [], "cold": [], "bandwidth_bytes_s": [], "new_prefill_s": [], "decode_s": []}
+    out: dict[str, list[float]] = {
+        "disk": [],
+        "cold": [],
+        "bandwidth_bytes_s": [],
+        "new_prefill_s": [],
+        "decode_s": [],
+    }
     for r in range(reps):
         memory.clear()
         prompt = [Segment(doc, "document"), Segment(f"\n\n{QUESTION} ({r})")]
@@ -74,7 +80,7 @@ def worker(store_dir: str, doc: str, reps: int, dtype: str) -> dict:
         out["bandwidth_bytes_s"].append(read_bandwidth(Path(store_dir)))
         # prefill of the new tokens over an assembled cache, then one decode step
         canonical = engine.canonicalize(prompt)
-        chunks = engine._chunks(canonical)
+        chunks = engine.core.chunks(canonical)
         cache = engine.assembler.new_cache(len(canonical) + 2)
         bytes_read = 0
         for chunk in chunks[:-1]:
@@ -89,8 +95,13 @@ def worker(store_dir: str, doc: str, reps: int, dtype: str) -> dict:
         out["decode_s"].append(time.perf_counter() - t1)
         out["new_prefill_s"].append(t1 - t0)
     engine.close()
-    return {"times": out, "bytes_read": bytes_read, "disk_tokens": disk_tokens, "new_tokens": new_tokens,
-            "prompt_tokens": warm.usage.prompt_tokens}
+    return {
+        "times": out,
+        "bytes_read": bytes_read,
+        "disk_tokens": disk_tokens,
+        "new_tokens": new_tokens,
+        "prompt_tokens": warm.usage.prompt_tokens,
+    }
 
 
 def prewarm_throughput(dtype: str, n_docs: int) -> dict:
@@ -120,7 +131,9 @@ def prewarm_throughput(dtype: str, n_docs: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--reps", type=int, default=None)
@@ -137,17 +150,33 @@ def main() -> None:
     rows = []
     for n in lengths:
         doc = text_of_tokens(tok, text, n - 24, offset_tokens=10_000)
-        with tempfile.TemporaryDirectory() as store, tempfile.NamedTemporaryFile("w", suffix=".txt") as doc_file:
+        with (
+            tempfile.TemporaryDirectory() as store,
+            tempfile.NamedTemporaryFile("w", suffix=".txt") as doc_file,
+        ):
             doc_file.write(doc)
             doc_file.flush()
             with KVBoostEngine.from_pretrained(MODEL, dtype=args.dtype, store_dir=store) as writer:
                 writer.generate([Segment(doc, "document"), Segment(f"\n\n{QUESTION}")], max_new_tokens=1)
-            cmd = [sys.executable, __file__, "--dtype", args.dtype, "--worker", store, doc_file.name, str(reps)]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ | {"PYTHONPATH": "."})
+            cmd = [
+                sys.executable,
+                __file__,
+                "--dtype",
+                args.dtype,
+                "--worker",
+                store,
+                doc_file.name,
+                str(reps),
+            ]
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, check=True, env=os.environ | {"PYTHONPATH": "."}
+            )
             res = json.loads(done.stdout.strip().splitlines()[-1])
         t = res["times"]
-        floors = [res["bytes_read"] / bw + p + d
-                  for bw, p, d in zip(t["bandwidth_bytes_s"], t["new_prefill_s"], t["decode_s"])]
+        floors = [
+            res["bytes_read"] / bw + p + d
+            for bw, p, d in zip(t["bandwidth_bytes_s"], t["new_prefill_s"], t["decode_s"], strict=True)
+        ]
         row = {
             "dtype": args.dtype,
             "prompt_tokens": res["prompt_tokens"],
@@ -159,18 +188,23 @@ def main() -> None:
             "disk": summary(t["disk"]),
             "cold": summary(t["cold"]),
             "floor": summary(floors),
-            "cold_over_disk": summary([c / d for c, d in zip(t["cold"], t["disk"])]),
-            "disk_over_floor": summary([d / f for d, f in zip(t["disk"], floors)]),
+            "cold_over_disk": summary([c / d for c, d in zip(t["cold"], t["disk"], strict=True)]),
+            "disk_over_floor": summary([d / f for d, f in zip(t["disk"], floors, strict=True)]),
         }
         rows.append(row)
-        print(f"{args.dtype} {row['prompt_tokens']} tok ({row['bytes_read'] / 2**20:.0f} MiB from disk): "
-              f"cold {row['cold']['median']:.3f}s disk {row['disk']['median'] * 1000:.0f}ms "
-              f"floor {row['floor']['median'] * 1000:.0f}ms | cold/disk {row['cold_over_disk']['median']:.1f}x "
-              f"disk/floor {row['disk_over_floor']['median']:.2f}x "
-              f"(read {row['read_bandwidth_gb_s']['median']:.1f} GB/s)", flush=True)
+        print(
+            f"{args.dtype} {row['prompt_tokens']} tok ({row['bytes_read'] / 2**20:.0f} MiB from disk): "
+            f"cold {row['cold']['median']:.3f}s disk {row['disk']['median'] * 1000:.0f}ms "
+            f"floor {row['floor']['median'] * 1000:.0f}ms | cold/disk {row['cold_over_disk']['median']:.1f}x "
+            f"disk/floor {row['disk_over_floor']['median']:.2f}x "
+            f"(read {row['read_bandwidth_gb_s']['median']:.1f} GB/s)",
+            flush=True,
+        )
     throughput = prewarm_throughput(args.dtype, 8 if args.quick else 20)
-    print(f"prewarm {throughput['prewarm_tokens_per_s']:.0f} tok/s vs plain prefill "
-          f"{throughput['plain_prefill_tokens_per_s']:.0f} tok/s")
+    print(
+        f"prewarm {throughput['prewarm_tokens_per_s']:.0f} tok/s vs plain prefill "
+        f"{throughput['plain_prefill_tokens_per_s']:.0f} tok/s"
+    )
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     name = "disk_ttft-quick" if args.quick else "disk_ttft"
     (RESULTS_DIR / f"{name}.json").write_text(
@@ -192,7 +226,10 @@ def plot(rows: list[dict], path: Path) -> None:
     for k, (key, label) in enumerate(keys):
         x = [i + k * width for i in range(len(rows))]
         med = [r[key]["median"] for r in rows]
-        err = [[r[key]["median"] - r[key]["q1"] for r in rows], [r[key]["q3"] - r[key]["median"] for r in rows]]
+        err = [
+            [r[key]["median"] - r[key]["q1"] for r in rows],
+            [r[key]["q3"] - r[key]["median"] for r in rows],
+        ]
         ax.bar(x, med, width, yerr=err, capsize=3, label=label)
     ax.set_xticks([i + width for i in range(len(rows))], [f"{r['prompt_tokens']} tokens" for r in rows])
     ax.set_yscale("log")

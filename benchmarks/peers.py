@@ -41,7 +41,9 @@ def extend_cache(model: Any, cache: Any, cached_len: int, new_ids: list[int]) ->
     """Run ``new_ids`` over ``cache`` (which holds ``cached_len`` tokens); returns the greedy first token."""
     positions = torch.arange(cached_len, cached_len + len(new_ids)).unsqueeze(0)
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([new_ids]), cache=cache, position_ids=positions, logits_to_keep=1).logits
+        logits = model(
+            input_ids=torch.tensor([new_ids]), cache=cache, position_ids=positions, logits_to_keep=1
+        ).logits
     return int(logits[0, -1].argmax())
 
 
@@ -63,7 +65,7 @@ class ChatCache:
         if self.cache is None:
             self.cache, self.ids = prefill_cache(self.model, ids[:-1]), ids[:-1]
         shared = 0
-        for a, b in zip(self.ids, ids[:-1]):  # keep at least one new token to run
+        for a, b in zip(self.ids, ids[:-1], strict=False):  # keep at least one new token to run
             if a != b:
                 break
             shared += 1
@@ -97,10 +99,16 @@ class LlamaCppPeer:
         import llama_cpp
 
         self.llm = llama_cpp.Llama(
-            model_path=str(smollm2_gguf()), n_ctx=n_ctx, n_threads=torch.get_num_threads(),
-            n_batch=512, verbose=False, seed=0,
+            model_path=str(smollm2_gguf()),
+            n_ctx=n_ctx,
+            n_threads=torch.get_num_threads(),
+            n_batch=512,
+            verbose=False,
+            seed=0,
         )
-        self.disk_cache = llama_cpp.LlamaDiskCache(cache_dir=cache_dir, capacity_bytes=64 << 30) if cache_dir else None
+        self.disk_cache = (
+            llama_cpp.LlamaDiskCache(cache_dir=cache_dir, capacity_bytes=64 << 30) if cache_dir else None
+        )
 
     def ttft(self, ids: list[int], *, keep_context: bool = False, use_disk: bool = False) -> float:
         """Seconds to the first token. ``keep_context`` reuses the prefix still in the context

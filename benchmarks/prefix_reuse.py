@@ -30,13 +30,13 @@ from kvboost_rag import GenerationResult, KVBoostEngine  # noqa: E402
 from kvboost_rag.models import load_model  # noqa: E402
 
 
-
 def question(i: int) -> str:
     return " " + QUESTIONS[i % len(QUESTIONS)]
 
 
 def against_fresh(engine: KVBoostEngine, prompt: str) -> tuple[GenerationResult, GenerationResult, bool]:
-    """The prompt on ``engine`` (warm) and on a fresh engine with an empty store; whether they agree bitwise."""
+    """The prompt on ``engine`` (warm) and on a fresh engine with an empty store;
+    whether they agree bitwise."""
     warm = engine.generate(prompt, max_new_tokens=1, return_logits=True)
     with KVBoostEngine(engine.model, engine.tokenizer) as fresh:
         cold = fresh.generate(prompt, max_new_tokens=1, return_logits=True)
@@ -47,7 +47,13 @@ def flat_prefixes(engine: KVBoostEngine, text: str, lengths: list[int], reps: in
     rows = []
     tok = engine.tokenizer
     for p in lengths:
-        samples: dict[str, list[float]] = {"cold": [], "warm": [], "reused": [], "short_of_prefix": [], "speedup": []}
+        samples: dict[str, list[float]] = {
+            "cold": [],
+            "warm": [],
+            "reused": [],
+            "short_of_prefix": [],
+            "speedup": [],
+        }
         bitwise = True
         for r in range(reps):
             shared = text_of_tokens(tok, text, p, offset_tokens=p * (r + 1))[:-3]  # ends mid-word
@@ -61,9 +67,12 @@ def flat_prefixes(engine: KVBoostEngine, text: str, lengths: list[int], reps: in
             samples["short_of_prefix"].append(shared_tokens - warm.usage.cached_tokens)
             samples["speedup"].append(cold.timings.ttft_s / warm.timings.ttft_s)
         row = {"prefix_tokens": p, "bitwise": bitwise, **{k: summary(v) for k, v in samples.items()}}
-        print(f"prefix {p}: reused {row['reused']['median']:.0f} tokens (short of the prefix by at most "
-              f"{row['short_of_prefix']['max']:.0f}), warm {row['warm']['median'] * 1000:.0f} ms vs cold "
-              f"{row['cold']['median'] * 1000:.0f} ms ({row['speedup']['median']:.2f}x), bitwise {bitwise}", flush=True)
+        print(
+            f"prefix {p}: reused {row['reused']['median']:.0f} tokens (short of the prefix by at most "
+            f"{row['short_of_prefix']['max']:.0f}), warm {row['warm']['median'] * 1000:.0f} ms vs cold "
+            f"{row['cold']['median'] * 1000:.0f} ms ({row['speedup']['median']:.2f}x), bitwise {bitwise}",
+            flush=True,
+        )
         rows.append(row)
     return rows
 
@@ -83,14 +92,20 @@ def prewarmed(engine: KVBoostEngine, text: str, doc_tokens: int, reps: int) -> d
         samples["cold"].append(cold.timings.ttft_s)
         samples["read_share"].append(warm.usage.cached_tokens / warm.usage.prompt_tokens)
     row = {"doc_tokens": doc_tokens, "bitwise": bitwise, **{k: summary(v) for k, v in samples.items()}}
-    print(f"pre-warmed {doc_tokens}-token document: {100 * row['read_share']['median']:.1f} % of the prompt read, "
-          f"warm {row['warm']['median'] * 1000:.0f} ms vs cold {row['cold']['median'] * 1000:.0f} ms, bitwise {bitwise}",
-          flush=True)
+    print(
+        f"pre-warmed {doc_tokens}-token document: "
+        f"{100 * row['read_share']['median']:.1f} % of the prompt read, "
+        f"warm {row['warm']['median'] * 1000:.0f} ms vs cold {row['cold']['median'] * 1000:.0f} ms, "
+        f"bitwise {bitwise}",
+        flush=True,
+    )
     return row
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lengths", default="300,700,1500")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
@@ -107,12 +122,26 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = flat_prefixes(engine, text, lengths, reps)
     prewarm_row = prewarmed(engine, text, 1000, reps)
-    settings = {"model": "smollm2-135m-instruct", "dtype": str(next(model.parameters()).dtype), "reps": reps,
-                "reuse": engine.stats()["reuse"]}
+    settings = {
+        "model": "smollm2-135m-instruct",
+        "dtype": str(next(model.parameters()).dtype),
+        "reps": reps,
+        "reuse": engine.stats()["reuse"],
+    }
     engine.close()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "settings": settings, "seconds": time.perf_counter() - t0,
-                               "flat_prefixes": rows, "prewarmed": prewarm_row}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "machine": machine(),
+                "settings": settings,
+                "seconds": time.perf_counter() - t0,
+                "flat_prefixes": rows,
+                "prewarmed": prewarm_row,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -21,7 +21,9 @@ from kvboost_rag.registry import DocumentRegistry  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--documents", type=int, default=100_000)
     parser.add_argument("--prompts", type=int, default=50)
     args = parser.parse_args()
@@ -50,11 +52,19 @@ def main() -> None:
             matches = reopened.find(prompt)
             times.append(time.perf_counter() - t0)
             found.append(sum(prompt[m.start : m.end] in picked for m in matches))
-    row = {"documents": args.documents, "prompt_chars": 8000, "find_s": summary(times),
-           "register_s": register_s, "reopen_load_s": load_s, "found_per_prompt": summary(found)}
-    print(f"{args.documents} documents: find {row['find_s']['median'] * 1000:.2f} ms median "
-          f"(max {row['find_s']['max'] * 1000:.2f} ms) per 8K-char prompt; register {register_s:.1f} s, "
-          f"reopen {load_s:.2f} s; {row['found_per_prompt']['median']:.0f} documents found per prompt")
+    row = {
+        "documents": args.documents,
+        "prompt_chars": 8000,
+        "find_s": summary(times),
+        "register_s": register_s,
+        "reopen_load_s": load_s,
+        "found_per_prompt": summary(found),
+    }
+    print(
+        f"{args.documents} documents: find {row['find_s']['median'] * 1000:.2f} ms median "
+        f"(max {row['find_s']['max'] * 1000:.2f} ms) per 8K-char prompt; register {register_s:.1f} s, "
+        f"reopen {load_s:.2f} s; {row['found_per_prompt']['median']:.0f} documents found per prompt"
+    )
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "registry_find.json").write_text(json.dumps({"machine": machine(), **row}, indent=2))
 

@@ -38,34 +38,57 @@ def ttft_section(data: dict) -> list[str]:
     head += ["kvboost full hit"]
     lines = [f"| {' | '.join(head)} |", "|" + "---:|" * len(head)]
     for r in rows:
-        keys = ["plain_prefill", "cold", *(["llama_cpp_cold"] if llama else []), "hf_prefix_reuse",
-                *(["llama_cpp_memory"] if llama else []), "warm_memory", "warm_disk",
-                *(["llama_cpp_disk"] if llama else []), "full_hit"]
+        keys = [
+            "plain_prefill",
+            "cold",
+            *(["llama_cpp_cold"] if llama else []),
+            "hf_prefix_reuse",
+            *(["llama_cpp_memory"] if llama else []),
+            "warm_memory",
+            "warm_disk",
+            *(["llama_cpp_disk"] if llama else []),
+            "full_hit",
+        ]
         lines.append(f"| {r['prompt_tokens']} | " + " | ".join(ms(r[k]["median"]) for k in keys) + " |")
     lines += ["", "Ratios, per repetition then the median (interquartile range):", ""]
-    pairs = [("plain_over_cold", "cold path speed vs plain prefill"), ("cold_over_warm", "cold / warm (memory)"),
-             ("plain_over_warm_disk", "plain prefill / warm (disk)"),
-             ("warm_over_hf_prefix_reuse", "warm (memory) / HF DynamicCache copy")]
+    pairs = [
+        ("plain_over_cold", "cold path speed vs plain prefill"),
+        ("cold_over_warm", "cold / warm (memory)"),
+        ("plain_over_warm_disk", "plain prefill / warm (disk)"),
+        ("warm_over_hf_prefix_reuse", "warm (memory) / HF DynamicCache copy"),
+    ]
     if llama:
-        pairs += [("llama_cpp_memory_over_warm", "llama.cpp context reuse / kvboost warm (memory)"),
-                  ("llama_cpp_disk_over_warm_disk", "llama.cpp LlamaDiskCache / kvboost warm (disk)"),
-                  ("llama_cpp_cold_over_cold", "llama.cpp cold / kvboost cold")]
-    lines += ["| ratio | " + " | ".join(f"{r['prompt_tokens']} tokens" for r in rows) + " |",
-              "|---|" + "---:|" * len(rows)]
+        pairs += [
+            ("llama_cpp_memory_over_warm", "llama.cpp context reuse / kvboost warm (memory)"),
+            ("llama_cpp_disk_over_warm_disk", "llama.cpp LlamaDiskCache / kvboost warm (disk)"),
+            ("llama_cpp_cold_over_cold", "llama.cpp cold / kvboost cold"),
+        ]
+    lines += [
+        "| ratio | " + " | ".join(f"{r['prompt_tokens']} tokens" for r in rows) + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
     for key, label in pairs:
         lines.append(f"| {label} | " + " | ".join(spread(r["ratios"][key]) for r in rows) + " |")
     r = rows[-1]
     stored = f"{r['stored_bytes_per_token'] / 1024:.0f} KiB"
-    lines += ["", f"Stored bytes per token ({r['dtype']} KV, 30 layers x 3 KV heads x 64): {stored} in the disk tier"
-              + (f", {r['llama_cpp_state_bytes_per_token'] / 1024:.0f} KiB in llama.cpp's LlamaDiskCache (the whole "
-                 "saved context state per prompt, divided by the prompt's tokens)."
-                 if r.get("llama_cpp_state_bytes_per_token") else ".")]
+    lines += [
+        "",
+        f"Stored bytes per token ({r['dtype']} KV, 30 layers x 3 KV heads x 64): {stored} in the disk tier"
+        + (
+            f", {r['llama_cpp_state_bytes_per_token'] / 1024:.0f} KiB in llama.cpp's LlamaDiskCache "
+            "(the whole "
+            "saved context state per prompt, divided by the prompt's tokens)."
+            if r.get("llama_cpp_state_bytes_per_token")
+            else "."
+        ),
+    ]
     return lines
 
 
 def disk_section(data: dict) -> list[str]:
     lines = [
-        "| prompt tokens | read from disk | cold | warm from disk (fresh process) | floor | cold / disk | disk / floor |",
+        "| prompt tokens | read from disk | cold | warm from disk (fresh process) | floor "
+        "| cold / disk | disk / floor |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in data["rows"]:
@@ -75,44 +98,74 @@ def disk_section(data: dict) -> list[str]:
             f"| {r['cold_over_disk']['median']:.1f}x | {r['disk_over_floor']['median']:.2f}x |"
         )
     p = data["prewarm"]
-    lines += ["", f"Pre-warming: {p['prewarm_tokens_per_s']:.0f} tokens/s (disk writes included) next to "
-              f"{p['plain_prefill_tokens_per_s']:.0f} tokens/s of plain prefill of the same documents."]
+    lines += [
+        "",
+        f"Pre-warming: {p['prewarm_tokens_per_s']:.0f} tokens/s (disk writes included) next to "
+        f"{p['plain_prefill_tokens_per_s']:.0f} tokens/s of plain prefill of the same documents.",
+    ]
     return lines
 
 
 def chat_section(data: dict) -> list[str]:
     turns = data["turns"]
     llama = "llama_cpp" in turns[0]
-    head = ["turn", "prompt tokens", "read from the store", "plain HF prefill", "HF DynamicCache kept",
-            *(["llama.cpp context reuse"] if llama else []), "kvboost", "plain / kvboost",
-            *(["reply stored after the answer"] if "reply_store" in turns[0] else [])]
+    head = [
+        "turn",
+        "prompt tokens",
+        "read from the store",
+        "plain HF prefill",
+        "HF DynamicCache kept",
+        *(["llama.cpp context reuse"] if llama else []),
+        "kvboost",
+        "plain / kvboost",
+        *(["reply stored after the answer"] if "reply_store" in turns[0] else []),
+    ]
     lines = [f"| {' | '.join(head)} |", "|" + "---:|" * len(head)]
     for t in turns:
-        cells = [str(t["turn"]), f"{t['prompt_tokens']['median']:.0f}", f"{100 * t['cached_share']:.0f} %",
-                 ms(t["plain_hf"]["median"]), ms(t["hf_chat_cache"]["median"]),
-                 *([ms(t["llama_cpp"]["median"])] if llama else []), ms(t["kvboost"]["median"]),
-                 spread(t["speedup"]["plain_hf"]), *([ms(t["reply_store"]["median"])] if "reply_store" in t else [])]
+        cells = [
+            str(t["turn"]),
+            f"{t['prompt_tokens']['median']:.0f}",
+            f"{100 * t['cached_share']:.0f} %",
+            ms(t["plain_hf"]["median"]),
+            ms(t["hf_chat_cache"]["median"]),
+            *([ms(t["llama_cpp"]["median"])] if llama else []),
+            ms(t["kvboost"]["median"]),
+            spread(t["speedup"]["plain_hf"]),
+            *([ms(t["reply_store"]["median"])] if "reply_store" in t else []),
+        ]
         lines.append(f"| {' | '.join(cells)} |")
     return lines
 
 
 def prefix_section(data: dict) -> list[str]:
-    lines = ["| shared prefix (tokens) | read from the store | short of the prefix (worst) | cold | warm "
-             "| cold / warm | bitwise equal to a fresh engine |", "|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| shared prefix (tokens) | read from the store | short of the prefix (worst) | cold | warm "
+        "| cold / warm | bitwise equal to a fresh engine |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in data["flat_prefixes"]:
-        lines.append(f"| {r['prefix_tokens']} | {r['reused']['median']:.0f} | {r['short_of_prefix']['max']:.0f} "
-                     f"| {ms(r['cold']['median'])} | {ms(r['warm']['median'])} | {spread(r['speedup'])} "
-                     f"| {'yes' if r['bitwise'] else 'NO'} |")
+        lines.append(
+            f"| {r['prefix_tokens']} | {r['reused']['median']:.0f} | {r['short_of_prefix']['max']:.0f} "
+            f"| {ms(r['cold']['median'])} | {ms(r['warm']['median'])} | {spread(r['speedup'])} "
+            f"| {'yes' if r['bitwise'] else 'NO'} |"
+        )
     p = data["prewarmed"]
-    lines += ["", f"A flat prompt holding a pre-warmed {p['doc_tokens']}-token document: "
-              f"{100 * p['read_share']['median']:.1f} % of it read from the store, TTFT {ms(p['warm']['median'])} "
-              f"against {ms(p['cold']['median'])} on a fresh engine, bitwise equal: {'yes' if p['bitwise'] else 'NO'}."]
+    lines += [
+        "",
+        f"A flat prompt holding a pre-warmed {p['doc_tokens']}-token document: "
+        f"{100 * p['read_share']['median']:.1f} % of it read from the store, "
+        f"TTFT {ms(p['warm']['median'])} against {ms(p['cold']['median'])} on a fresh engine, "
+        f"bitwise equal: {'yes' if p['bitwise'] else 'NO'}.",
+    ]
     return lines
 
 
 def blend_section(data: dict) -> list[str]:
-    lines = ["| model | mode | answers agree with exact | first-token top-1 agree | KL (median) | TTFT (median) "
-             "| speedup vs exact |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | mode | answers agree with exact | first-token top-1 agree | KL (median) | TTFT (median) "
+        "| speedup vs exact |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for res in data["results"]:
         for k, r in enumerate(sorted(res["rows"], key=lambda r: r["mode"] != "exact")):
             model = f"{res['model']} ({r['questions']} questions)" if k == 0 else ""
@@ -120,8 +173,10 @@ def blend_section(data: dict) -> list[str]:
                 lines.append(f"| {model} | exact | - | - | - | {ms(r['ttft_s']['median'])} | 1.00x |")
                 continue
             if r["mode"] == "exact_reordered":  # the model against itself, documents in another order
-                lines.append(f"| {model} | exact, documents reordered | {100 * r['answer_agreement']:.1f} % "
-                             f"| {100 * r['top1_agreement']:.0f} % | {r['kl_first_token']['median']:.4f} | - | - |")
+                lines.append(
+                    f"| {model} | exact, documents reordered | {100 * r['answer_agreement']:.1f} % "
+                    f"| {100 * r['top1_agreement']:.0f} % | {r['kl_first_token']['median']:.4f} | - | - |"
+                )
                 continue
             lines.append(
                 f"| {model} | blend {r['mode'].split('_')[1]} % | {100 * r['answer_agreement']:.1f} % "
@@ -132,12 +187,16 @@ def blend_section(data: dict) -> list[str]:
 
 
 def concurrency_section(data: dict) -> list[str]:
-    lines = ["| clients | batched | one by one (warm prefix) | plain HF generate | batched / one by one "
-             "| batched / plain HF | p50 latency batched / one by one |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| clients | batched | one by one (warm prefix) | plain HF generate | batched / one by one "
+        "| batched / plain HF | p50 latency batched / one by one |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in data["rows"]:
         rps = {m: r[m]["requests_per_s"]["median"] for m in ("batched", "one_by_one", "plain_hf")}
         lines.append(
-            f"| {r['clients']} | {rps['batched']:.2f} req/s | {rps['one_by_one']:.2f} req/s | {rps['plain_hf']:.2f} req/s "
+            f"| {r['clients']} | {rps['batched']:.2f} req/s | {rps['one_by_one']:.2f} req/s "
+            f"| {rps['plain_hf']:.2f} req/s "
             f"| {spread(r['batched_over_one_by_one'])} | {spread(r['batched_over_plain_hf'])} "
             f"| {r['batched']['p50_s']['median']:.1f} s / {r['one_by_one']['p50_s']['median']:.1f} s |"
         )
@@ -152,11 +211,15 @@ def targets(results: dict[str, Any]) -> list[str]:
         rows.append((target, figure, met))
 
     if disk := results.get("disk_ttft"):
-        for r, goal in zip(disk["rows"], (20, 60)):
+        for r, goal in zip(disk["rows"], (20, 60), strict=False):
             x = r["cold_over_disk"]["median"]
             add(f"warm TTFT from disk >= {goal}x cold ({r['prompt_tokens']} tokens)", f"{x:.1f}x", x >= goal)
         worst = max(r["disk_over_floor"]["median"] for r in disk["rows"])
-        add("warm TTFT from disk within 1.5x of the floor", f"{worst:.2f}x the floor (worst length)", worst <= 1.5)
+        add(
+            "warm TTFT from disk within 1.5x of the floor",
+            f"{worst:.2f}x the floor (worst length)",
+            worst <= 1.5,
+        )
     if ttft := results.get("ttft"):
         worst = max(r["ratios"]["warm_over_hf_prefix_reuse"]["median"] for r in ttft["rows"])
         add("memory tier within 1.2x of HF DynamicCache copy", f"{worst:.2f}x (worst length)", worst <= 1.2)
@@ -167,13 +230,19 @@ def targets(results: dict[str, Any]) -> list[str]:
             r = next((r for r in res["rows"] if r["mode"] == DEFAULT_BLEND_MODE), None)
             if r is not None:
                 agree, speed = r["answer_agreement"], r["speedup_vs_exact"]["median"]
-                add(f"blend RAG >= 4x TTFT at >= 98 % agreement ({res['model']}, default ratio 5 %)",
-                    f"{speed:.2f}x at {100 * agree:.1f} %", speed >= 4 and agree >= 0.98)
+                add(
+                    f"blend RAG >= 4x TTFT at >= 98 % agreement ({res['model']}, default ratio 5 %)",
+                    f"{speed:.2f}x at {100 * agree:.1f} %",
+                    speed >= 4 and agree >= 0.98,
+                )
     if prefix := results.get("prefix_reuse"):
         worst = max(r["short_of_prefix"]["max"] for r in prefix["flat_prefixes"])
         exact = all(r["bitwise"] for r in prefix["flat_prefixes"]) and prefix["prewarmed"]["bitwise"]
-        add("exact reuse of any shared prefix to within 64 tokens, bitwise", f"within {worst:.0f} tokens"
-            + ("" if exact else ", NOT bitwise"), worst <= 64 and exact)
+        add(
+            "exact reuse of any shared prefix to within 64 tokens, bitwise",
+            f"within {worst:.0f} tokens" + ("" if exact else ", NOT bitwise"),
+            worst <= 64 and exact,
+        )
     if chat := results.get("chat_replay"):
         t = chat["turns"][-1]
         x = t["speedup"]["plain_hf"]["median"]
@@ -181,57 +250,91 @@ def targets(results: dict[str, Any]) -> list[str]:
     if conc := results.get("concurrency"):
         for r in conc["rows"]:
             x = r["batched_over_one_by_one"]["median"]
-            add(f"concurrent requests >= 3x throughput over one by one ({r['clients']} clients)", f"{x:.2f}x", x >= 3)
-    return ["| target (DESIGN.md) | reached | |", "|---|---:|---|",
-            *(f"| {t} | {f} | {'met' if ok else 'not met'} |" for t, f, ok in rows)]
+            add(
+                f"concurrent requests >= 3x throughput over one by one ({r['clients']} clients)",
+                f"{x:.2f}x",
+                x >= 3,
+            )
+    return [
+        "| target (DESIGN.md) | reached | |",
+        "|---|---:|---|",
+        *(f"| {t} | {f} | {'met' if ok else 'not met'} |" for t, f, ok in rows),
+    ]
 
 
 def server_section(data: dict) -> list[str]:
     s = data["settings"]
-    lines = [f"{s['clients']} clients for {s['duration_s']:.0f} s per mix, a {s['system_tokens']}-token shared system "
-             f"prompt, {s['max_tokens']} new tokens:", "",
-             "| mix | requests | failed | req/s | latency p50 / p95 / p99 | stream TTFT p50 / p95 | read from the store |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"{s['clients']} clients for {s['duration_s']:.0f} s per mix, "
+        f"a {s['system_tokens']}-token shared system "
+        f"prompt, {s['max_tokens']} new tokens:",
+        "",
+        "| mix | requests | failed | req/s | latency p50 / p95 / p99 | stream TTFT p50 / p95 "
+        "| read from the store |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for run in data["runs"]:
         r = run["result"]
         lat, ttft = r["latency_s"], r.get("ttft_stream_s")
         ttft_cell = f"{ttft['p50']:.2f} / {ttft['p95']:.2f} s" if ttft and ttft.get("n") else "-"
-        lines.append(f"| {run['stream']} streamed | {r['requests']} | {r['failures']} | {r['requests_per_s']:.2f} "
-                     f"| {lat['p50']:.1f} / {lat['p95']:.1f} / {lat['p99']:.1f} s | {ttft_cell} "
-                     f"| {100 * r['cached_prompt_share']:.0f} % |")
+        lines.append(
+            f"| {run['stream']} streamed | {r['requests']} | {r['failures']} | {r['requests_per_s']:.2f} "
+            f"| {lat['p50']:.1f} / {lat['p95']:.1f} / {lat['p99']:.1f} s | {ttft_cell} "
+            f"| {100 * r['cached_prompt_share']:.0f} % |"
+        )
     return lines
 
 
 SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("ttft", "Time to first token vs prompt length, with peers on the same tokens", ttft_section),
     ("disk_ttft", "Disk tier, a fresh process", disk_section),
-    ("prefix_reuse", "Flat prompts sharing a prefix, and a pre-warmed document (exact reuse)", prefix_section),
+    (
+        "prefix_reuse",
+        "Flat prompts sharing a prefix, and a pre-warmed document (exact reuse)",
+        prefix_section,
+    ),
     ("chat_replay", "Multi-turn chat replay (ShareGPT, medians over conversations)", chat_section),
-    ("blend_quality", "RAG with 3-6 retrieved passages in shuffled orders: exact and blend reuse", blend_section),
+    (
+        "blend_quality",
+        "RAG with 3-6 retrieved passages in shuffled orders: exact and blend reuse",
+        blend_section,
+    ),
     ("concurrency", "Concurrent requests sharing a 1K-token prefix", concurrency_section),
     ("server_load", "`kvboost-rag serve` under load on loopback", server_section),
 ]
 
 
 def block() -> list[str]:
-    results = {name: json.loads((BENCH / f"{name}.json").read_text())
-               for name, _, _ in SECTIONS if (BENCH / f"{name}.json").exists()}
+    results = {
+        name: json.loads((BENCH / f"{name}.json").read_text())
+        for name, _, _ in SECTIONS
+        if (BENCH / f"{name}.json").exists()
+    }
     suite = json.loads((BENCH / "suite.json").read_text()) if (BENCH / "suite.json").exists() else None
     m = (suite or next(iter(results.values())))["machine"]
     dtype = results["ttft"]["rows"][0]["dtype"] if "ttft" in results else "auto"
     if dtype == "float32" and not {"avx512_bf16", "amx_bf16"} & set(m.get("cpu_features", [])):
         dtype += ' (the engine\'s `dtype="auto"` here: this CPU has no native bfloat16)'
-    lines = [START,
-             f"Measured on {m['cpu_count']} CPU cores ({m['processor']}; {', '.join(m.get('cpu_features', [])) or 'n/a'}), "
-             f"torch {m['torch']}, transformers {m['transformers']}, SmolLM2-135M-Instruct in {dtype}, "
-             "and Qwen2.5-0.5B for blend; every variant runs side by side in each repetition and ratios are "
-             "medians of per-repetition ratios. Reproduce with `make bench` (`make bench QUICK=1` for a short run); "
-             "JSON with quartiles and every sample, and plots, in `docs/benchmarks/`.", ""]
+    lines = [
+        START,
+        f"Measured on {m['cpu_count']} CPU cores "
+        f"({m['processor']}; {', '.join(m.get('cpu_features', [])) or 'n/a'}), "
+        f"torch {m['torch']}, transformers {m['transformers']}, SmolLM2-135M-Instruct in {dtype}, "
+        "and Qwen2.5-0.5B for blend; every variant runs side by side in each repetition and ratios are "
+        "medians of per-repetition ratios. "
+        "Reproduce with `make bench` (`make bench QUICK=1` for a short run); "
+        "JSON with quartiles and every sample, and plots, in `docs/benchmarks/`.",
+        "",
+    ]
     lines += ["Targets:", "", *targets(results), ""]
     for name, title, render in SECTIONS:
         if name in results:
-            lines += [f"**{title}** (`python benchmarks/{name}.py`, {results[name]['machine']['time'][:10]}):", "",
-                      *render(results[name]), ""]
+            lines += [
+                f"**{title}** (`python benchmarks/{name}.py`, {results[name]['machine']['time'][:10]}):",
+                "",
+                *render(results[name]),
+                "",
+            ]
             if name == "ttft":
                 lines += ["![TTFT vs prompt length](docs/benchmarks/ttft.png)", ""]
     lines.append(END)

@@ -27,7 +27,8 @@ HERE = Path(__file__).resolve().parent
 
 # name -> (script and full-run arguments, quick-run arguments)
 WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
-    # TTFT vs prompt length: cold, warm memory, warm disk; plain HF, DynamicCache copy, llama.cpp; bytes per token
+    # TTFT vs prompt length: cold, warm memory, warm disk; plain HF, DynamicCache copy, llama.cpp;
+    # bytes per token
     "ttft": (["ttft.py"], ["ttft.py", "--quick"]),
     # a fresh process reading the disk tier at 2K and 8K tokens, the floor, pre-warm throughput
     "disk_ttft": (["disk_ttft.py"], ["disk_ttft.py", "--quick"]),
@@ -36,22 +37,44 @@ WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
     # ShareGPT conversations, turns 1-8
     "chat_replay": (["chat_replay.py"], ["chat_replay.py", "--quick"]),
     # RAG with 3-6 retrieved passages in shuffled orders: exact and blend reuse
-    "blend_quality": (["blend_quality.py"],
-                      ["blend_quality.py", "--quick", "--out", str(RESULTS_DIR / "blend_quality-quick.json")]),
+    "blend_quality": (
+        ["blend_quality.py"],
+        ["blend_quality.py", "--quick", "--out", str(RESULTS_DIR / "blend_quality-quick.json")],
+    ),
     # 8 and 32 concurrent requests sharing a 1K-token prefix
-    "concurrency": (["concurrency.py", "--reps", "3"],
-                    ["concurrency.py", "--clients", "8", "--reps", "1", "--max-new-tokens", "8",
-                     "--out", str(RESULTS_DIR / "concurrency-quick.json")]),
+    "concurrency": (
+        ["concurrency.py", "--reps", "3"],
+        [
+            "concurrency.py",
+            "--clients",
+            "8",
+            "--reps",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(RESULTS_DIR / "concurrency-quick.json"),
+        ],
+    ),
     # `kvboost-rag serve` on loopback: 8 clients for 30 s per request mix, no failures allowed
-    "server_load": (["server_load.py"],
-                    ["server_load.py", "--quick", "--out", str(RESULTS_DIR / "server_load-quick.json")]),
+    "server_load": (
+        ["server_load.py"],
+        ["server_load.py", "--quick", "--out", str(RESULTS_DIR / "server_load-quick.json")],
+    ),
 }
 
 
 def versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
-    for dist in ("kvboost-rag", "torch", "transformers", "llama_cpp_python", "diskcache", "langchain-core",
-                 "llama-index-core"):
+    for dist in (
+        "kvboost-rag",
+        "torch",
+        "transformers",
+        "llama_cpp_python",
+        "diskcache",
+        "langchain-core",
+        "llama-index-core",
+    ):
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -61,29 +84,43 @@ def versions() -> dict[str, str | None]:
 
 def commit() -> str | None:
     done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE, capture_output=True,
-                           text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE, capture_output=True, text=True
+    ).stdout.strip()
     return done.stdout.strip() + ("+changes" if dirty else "") if done.returncode == 0 else None
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions")
     parser.add_argument("--only", nargs="+", choices=list(WORKLOADS), help="run these workloads only")
-    parser.add_argument("--no-report", action="store_true", help="leave the README's results section as it is")
+    parser.add_argument(
+        "--no-report", action="store_true", help="leave the README's results section as it is"
+    )
     args = parser.parse_args()
     names = args.only or list(WORKLOADS)
     revision = commit()
     runs = []
     for name in names:
-        cmd = [sys.executable, str(HERE / WORKLOADS[name][1 if args.quick else 0][0]),
-               *WORKLOADS[name][1 if args.quick else 0][1:]]
+        cmd = [
+            sys.executable,
+            str(HERE / WORKLOADS[name][1 if args.quick else 0][0]),
+            *WORKLOADS[name][1 if args.quick else 0][1:],
+        ]
         print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         code = subprocess.run(cmd, cwd=HERE.parent).returncode
-        runs.append({"workload": name, "command": " ".join(["python", *(Path(c).name if c.endswith('.py') else c
-                                                                         for c in cmd[1:])]),
-                     "exit_code": code, "seconds": time.perf_counter() - t0, "commit": revision})
+        runs.append(
+            {
+                "workload": name,
+                "command": " ".join(["python", *(Path(c).name if c.endswith(".py") else c for c in cmd[1:])]),
+                "exit_code": code,
+                "seconds": time.perf_counter() - t0,
+                "commit": revision,
+            }
+        )
         print(f"== {name}: exit {code} in {runs[-1]['seconds']:.0f} s", flush=True)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     suite = RESULTS_DIR / ("suite-quick.json" if args.quick else "suite.json")

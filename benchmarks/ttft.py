@@ -44,10 +44,12 @@ def bench_dtype(
         times: dict[str, list[float]] = {k: [] for k in keys}
         prompt_tokens = None
         with tempfile.TemporaryDirectory() as store_dir, tempfile.TemporaryDirectory() as llama_dir:
-            engine = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=chunk_size), store_dir=store_dir)
+            engine = KVBoostEngine(
+                model, tok, config=EngineConfig(chunk_size=chunk_size), store_dir=store_dir
+            )
             memory, disk = engine.store.tiers
 
-            def ids_of(prompt: list[Segment]) -> list[int]:
+            def ids_of(prompt: list[Segment], engine: KVBoostEngine = engine) -> list[int]:
                 return engine.canonicalize(prompt).token_ids
 
             # One untimed round for allocator and kernel warm-up.
@@ -65,7 +67,7 @@ def bench_dtype(
                 q = QUESTIONS[(r + 1) % len(QUESTIONS)] + f" ({r})"
                 prompt = [Segment(doc, "document"), Segment(q)]
                 ids = ids_of(prompt)
-                times["plain_prefill"].append(timed(lambda: plain_prefill(model, ids)))
+                times["plain_prefill"].append(timed(plain_prefill, model, ids))
                 memory.clear()
                 disk.clear()
                 cold = engine.generate(prompt, max_new_tokens=1)
@@ -80,13 +82,17 @@ def bench_dtype(
                 assert full.usage.cached_tokens == full.usage.prompt_tokens
                 times["full_hit"].append(full.timings.ttft_s)
                 memory.clear()
-                from_disk = engine.generate([Segment(doc, "document"), Segment(q + " Once more.")], max_new_tokens=1)
+                from_disk = engine.generate(
+                    [Segment(doc, "document"), Segment(q + " Once more.")], max_new_tokens=1
+                )
                 assert from_disk.usage.cached_tokens_by_tier.get("disk", 0) > 0, from_disk.usage
                 times["warm_disk"].append(from_disk.timings.ttft_s)
                 # bytes on disk per stored token (payloads with their headers, last logits included)
-                stored_bytes_per_token = disk.stats()["disk"].bytes / sum(disk.get(k).chunk.num_tokens for k in disk.keys())
+                stored_bytes_per_token = disk.stats()["disk"].bytes / sum(
+                    disk.get(k).chunk.num_tokens for k in disk.keys()
+                )
                 times["hf_prefix_reuse"].append(
-                    timed(lambda: copied_cache_prefill(model, prefix_cache, len(doc_ids), ids[len(doc_ids):]))
+                    timed(copied_cache_prefill, model, prefix_cache, len(doc_ids), ids[len(doc_ids) :])
                 )
                 if llama is not None:
                     times["llama_cpp_cold"].append(llama.ttft(ids))
@@ -94,9 +100,15 @@ def bench_dtype(
                     times["llama_cpp_disk"].append(llama.ttft(ids_of(warm_prompt), use_disk=True))
             reuse = engine.stats()["reuse"]
             engine.close()
-        row = {"dtype": dtype, "prompt_tokens": prompt_tokens, "reps": reps, "chunk_size": reuse["chunk_tokens"],
-               "schedule": reuse["schedule"],
-               "stored_bytes_per_token": stored_bytes_per_token, "llama_cpp_state_bytes_per_token": llama_bytes_per_token}
+        row = {
+            "dtype": dtype,
+            "prompt_tokens": prompt_tokens,
+            "reps": reps,
+            "chunk_size": reuse["chunk_tokens"],
+            "schedule": reuse["schedule"],
+            "stored_bytes_per_token": stored_bytes_per_token,
+            "llama_cpp_state_bytes_per_token": llama_bytes_per_token,
+        }
         row |= {k: summary(v) for k, v in times.items()}
         med = {k: row[k]["median"] for k in times}
         # ratios per repetition (same noise), then their median
@@ -107,12 +119,19 @@ def bench_dtype(
             "warm_over_hf_prefix_reuse": ("warm_memory", "hf_prefix_reuse"),
         }
         if use_llama:
-            pairs |= {"llama_cpp_memory_over_warm": ("llama_cpp_memory", "warm_memory"),
-                      "llama_cpp_disk_over_warm_disk": ("llama_cpp_disk", "warm_disk"),
-                      "llama_cpp_cold_over_cold": ("llama_cpp_cold", "cold")}
-        row["ratios"] = {name: summary([x / y for x, y in zip(times[a], times[b])]) for name, (a, b) in pairs.items()}
+            pairs |= {
+                "llama_cpp_memory_over_warm": ("llama_cpp_memory", "warm_memory"),
+                "llama_cpp_disk_over_warm_disk": ("llama_cpp_disk", "warm_disk"),
+                "llama_cpp_cold_over_cold": ("llama_cpp_cold", "cold"),
+            }
+        row["ratios"] = {
+            name: summary([x / y for x, y in zip(times[a], times[b], strict=True)])
+            for name, (a, b) in pairs.items()
+        }
         print(
-            f"{dtype} {prompt_tokens:5d} tok | " + " ".join(f"{k} {med[k] * 1000:.0f}ms" for k in keys) + " | "
+            f"{dtype} {prompt_tokens:5d} tok | "
+            + " ".join(f"{k} {med[k] * 1000:.0f}ms" for k in keys)
+            + " | "
             + " ".join(f"{name} {v['median']:.2f}x" for name, v in row["ratios"].items()),
             flush=True,
         )
@@ -121,10 +140,15 @@ def bench_dtype(
 
 
 PLOT_LABELS = [
-    ("plain_prefill", "plain HF prefill"), ("cold", "kvboost cold (writes included)"),
-    ("llama_cpp_cold", "llama.cpp cold (Q4_1)"), ("hf_prefix_reuse", "HF DynamicCache copy"),
-    ("llama_cpp_memory", "llama.cpp context reuse"), ("llama_cpp_disk", "llama.cpp LlamaDiskCache"),
-    ("warm_memory", "kvboost warm (memory)"), ("warm_disk", "kvboost warm (disk)"), ("full_hit", "kvboost full hit"),
+    ("plain_prefill", "plain HF prefill"),
+    ("cold", "kvboost cold (writes included)"),
+    ("llama_cpp_cold", "llama.cpp cold (Q4_1)"),
+    ("hf_prefix_reuse", "HF DynamicCache copy"),
+    ("llama_cpp_memory", "llama.cpp context reuse"),
+    ("llama_cpp_disk", "llama.cpp LlamaDiskCache"),
+    ("warm_memory", "kvboost warm (memory)"),
+    ("warm_disk", "kvboost warm (disk)"),
+    ("full_hit", "kvboost full hit"),
 ]
 
 
@@ -136,7 +160,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     dtypes = sorted({r["dtype"] for r in rows})
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
-    for ax, dtype in zip(axes[0], dtypes):
+    for ax, dtype in zip(axes[0], dtypes, strict=True):
         sel = [r for r in rows if r["dtype"] == dtype]
         x = [r["prompt_tokens"] for r in sel]
         for key, label in PLOT_LABELS:
@@ -158,20 +182,30 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--dtypes", default="auto", help="comma list (default: auto, the engine's choice here)")
+    parser.add_argument(
+        "--dtypes", default="auto", help="comma list (default: auto, the engine's choice here)"
+    )
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave out the llama.cpp peer")
-    parser.add_argument("--lengths", default=None, help="comma list of prompt tokens (default 512,1024,2048,4096)")
+    parser.add_argument(
+        "--lengths", default=None, help="comma list of prompt tokens (default 512,1024,2048,4096)"
+    )
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--chunk-size", type=int, default=None, help="default: the engine's")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
     use_llama = not args.no_llama_cpp and llama_cpp_available()
-    lengths = [int(x) for x in (args.lengths or ("512,2048" if args.quick else "512,1024,2048,4096")).split(",")]
+    lengths = [
+        int(x) for x in (args.lengths or ("512,2048" if args.quick else "512,1024,2048,4096")).split(",")
+    ]
     reps = args.reps or (3 if args.quick else 5)
     text = essay_text()
-    rows = [row for dtype in dtypes for row in bench_dtype(dtype, lengths, reps, text, args.chunk_size, use_llama)]
+    rows = [
+        row for dtype in dtypes for row in bench_dtype(dtype, lengths, reps, text, args.chunk_size, use_llama)
+    ]
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     name = "ttft-quick" if args.quick else "ttft"
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))

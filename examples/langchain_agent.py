@@ -37,10 +37,15 @@ def main(argv: list[str]) -> int:
         if isinstance(message, AIMessage):
             step += 1
             usage, details = message.usage_metadata, message.response_metadata["kvboost"]
-            calls = ", ".join(f"{c['name']}({c['args']})" for c in message.tool_calls) or repr(message.content[:80])
+            calls = ", ".join(f"{c['name']}({c['args']})" for c in message.tool_calls) or repr(
+                message.content[:80]
+            )
             print(f"step {step}: {calls}")
-            print(f"   TTFT {details['ttft_s'] * 1000:.0f} ms, cache_read {usage['input_token_details']['cache_read']} "
-                  f"of {usage['input_tokens']} prompt tokens")
+            print(
+                f"   TTFT {details['ttft_s'] * 1000:.0f} ms, "
+                f"cache_read {usage['input_token_details']['cache_read']} "
+                f"of {usage['input_tokens']} prompt tokens"
+            )
         elif isinstance(message, ToolMessage):
             print(f"   tool {message.name} -> {message.content}")
     return 0

@@ -14,13 +14,12 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline_embeddings import MiniLM, essay_paragraphs  # noqa: E402
-
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
+from offline_embeddings import MiniLM, essay_paragraphs  # noqa: E402
 
 from langchain_kvboost import ChatKVBoost, prewarm_documents  # noqa: E402
 from langchain_kvboost.documents import format_documents  # noqa: E402
@@ -56,22 +55,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     store = args.store or tempfile.mkdtemp(prefix="kvboost-example-")
 
-    documents = [Document(page_content=p, metadata={"n": i}) for i, p in enumerate(essay_paragraphs(args.documents))]
+    documents = [
+        Document(page_content=p, metadata={"n": i}) for i, p in enumerate(essay_paragraphs(args.documents))
+    ]
     vectors = InMemoryVectorStore.from_documents(documents, MiniLMEmbeddings())
     retriever = vectors.as_retriever(search_kwargs={"k": 2})
     llm = ChatKVBoost(model="smollm2-135m-instruct", store_dir=store, max_tokens=args.max_tokens)
 
-    report = prewarm_documents(llm, documents, PROMPT)  # indexing time: each document after the prompt's prefix
+    # indexing time: each document after the prompt's prefix
+    report = prewarm_documents(llm, documents, PROMPT)
     print(f"pre-warmed {report.documents} documents ({report.tokens} tokens) in {report.seconds:.1f} s")
 
-    chain = {"context": retriever | RunnableLambda(format_documents), "question": RunnablePassthrough()} | PROMPT | llm
+    chain = (
+        {"context": retriever | RunnableLambda(format_documents), "question": RunnablePassthrough()}
+        | PROMPT
+        | llm
+    )
     for question in QUESTIONS:
         answer = chain.invoke(question)
         details = answer.response_metadata["kvboost"]
         usage = answer.usage_metadata
         print(f"\nQ: {question}\nA: {answer.content.strip()}")
-        print(f"   TTFT {details['ttft_s'] * 1000:.0f} ms, cache_read {usage['input_token_details']['cache_read']} "
-              f"of {usage['input_tokens']} prompt tokens {details['cached_tokens_by_tier']}")
+        print(
+            f"   TTFT {details['ttft_s'] * 1000:.0f} ms, "
+            f"cache_read {usage['input_token_details']['cache_read']} "
+            f"of {usage['input_tokens']} prompt tokens {details['cached_tokens_by_tier']}"
+        )
     return 0
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from llama_index.core.embeddings import BaseEmbedding
-from pydantic import PrivateAttr
-
 from offline_embeddings import MiniLM
+from pydantic import PrivateAttr
 
 
 class MiniLMEmbedding(BaseEmbedding):

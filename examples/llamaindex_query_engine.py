@@ -16,14 +16,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llamaindex_embeddings import MiniLMEmbedding  # noqa: E402
-from offline_embeddings import essay_paragraphs  # noqa: E402
-
 from llama_index.core import Document, Settings, VectorStoreIndex  # noqa: E402
 from llama_index.core.callbacks import CallbackManager  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
-
 from llama_index.llms.kvboost import KVBoost, KVBoostUsageHandler, KVPrewarm  # noqa: E402
+from llamaindex_embeddings import MiniLMEmbedding  # noqa: E402
+from offline_embeddings import essay_paragraphs  # noqa: E402
 
 QUESTIONS = [
     "What does the author say about how startups should treat their users?",
@@ -42,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     usage = KVBoostUsageHandler()
     Settings.callback_manager = CallbackManager([usage])
     llm = KVBoost(model="smollm2-135m-instruct", store_dir=store, max_new_tokens=args.max_new_tokens)
-    documents = [Document(text=p, metadata={"paragraph": i}) for i, p in enumerate(essay_paragraphs(args.documents))]
+    documents = [
+        Document(text=p, metadata={"paragraph": i}) for i, p in enumerate(essay_paragraphs(args.documents))
+    ]
 
     t0 = time.perf_counter()
     index = VectorStoreIndex.from_documents(  # indexing time: embed and pre-warm every node
@@ -62,9 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         uncached = str(uncached_engine.query(question)).strip()
         [plain] = usage.calls
         print(f"\nQ: {question}\nA: {answer}")
-        print(f"   TTFT {call.ttft_s * 1000:.0f} ms (uncached {plain.ttft_s * 1000:.0f} ms), "
-              f"cached_tokens {call.cached_tokens} of {call.prompt_tokens} prompt tokens {call.cached_tokens_by_tier}, "
-              f"same answer uncached: {answer == uncached}")
+        print(
+            f"   TTFT {call.ttft_s * 1000:.0f} ms (uncached {plain.ttft_s * 1000:.0f} ms), "
+            f"cached_tokens {call.cached_tokens} of {call.prompt_tokens} prompt tokens "
+            f"{call.cached_tokens_by_tier}, "
+            f"same answer uncached: {answer == uncached}"
+        )
     return 0
 
 

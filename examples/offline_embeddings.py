@@ -32,8 +32,9 @@ class MiniLM:
     def embed(self, texts: list[str], batch_size: int = 32) -> list[list[float]]:
         out: list[list[float]] = []
         for i in range(0, len(texts), batch_size):
-            batch = self.tokenizer(texts[i : i + batch_size], padding=True, truncation=True, max_length=256,
-                                   return_tensors="pt")
+            batch = self.tokenizer(
+                texts[i : i + batch_size], padding=True, truncation=True, max_length=256, return_tensors="pt"
+            )
             hidden = self.model(**batch).last_hidden_state  # [batch, tokens, 384]
             mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)

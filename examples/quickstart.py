@@ -44,13 +44,18 @@ def main(argv: list[str] | None = None) -> int:
         result = engine.generate(messages, max_new_tokens=48)
         runs.append(result)
         u = result.usage
-        print(f"--- {label}: TTFT {result.timings.ttft_s * 1000:.0f} ms, {u.prompt_tokens} prompt tokens, "
-              f"{u.cached_tokens} reused {u.cached_tokens_by_tier}, {u.recomputed_tokens} recomputed")
+        print(
+            f"--- {label}: TTFT {result.timings.ttft_s * 1000:.0f} ms, {u.prompt_tokens} prompt tokens, "
+            f"{u.cached_tokens} reused {u.cached_tokens_by_tier}, {u.recomputed_tokens} recomputed"
+        )
         print(result.text.strip())
     cold, warm = runs
     speedup = cold.timings.ttft_s / max(warm.timings.ttft_s, 1e-9)
-    print(f"--- TTFT cold {cold.timings.ttft_s:.3f} s vs warm {warm.timings.ttft_s:.3f} s: {speedup:.1f}x faster; "
-          f"answers identical: {cold.token_ids == warm.token_ids}")
+    print(
+        f"--- TTFT cold {cold.timings.ttft_s:.3f} s vs warm {warm.timings.ttft_s:.3f} s: "
+        f"{speedup:.1f}x faster; "
+        f"answers identical: {cold.token_ids == warm.token_ids}"
+    )
     return 0 if cold.token_ids == warm.token_ids else 1
 
 

@@ -7,7 +7,7 @@
 
 from .canonical import CanonicalPrompt, Segment, normalize_text
 from .config import EngineConfig
-from .engine import GenerationResult, KVBoostEngine, PrewarmReport, Request, StreamChunk, Timings, Usage, WarmReport
+from .engine import KVBoostEngine
 from .errors import (
     ContextWindowExceededError,
     InvalidRequestError,
@@ -17,6 +17,8 @@ from .errors import (
     StoreError,
     UnsupportedModelError,
 )
+from .request import Request
+from .results import GenerationResult, PrewarmReport, StreamChunk, Timings, Usage, WarmReport
 
 __all__ = [
     "CanonicalPrompt",

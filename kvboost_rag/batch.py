@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from .assembler import Assembler
+from .request import Request
 from .runner import PrefillOutcome
-from .sampling import SamplingParams, select_token
+from .sampling import select_token
 from .textstream import TextStream
 
 
@@ -44,7 +45,7 @@ class BatchRow:
     prefix: PrefillOutcome | None
     """Cache of every chunk but the last (None: the prompt is one chunk)."""
     prefix_tokens: int
-    params: SamplingParams
+    request: Request
     max_new_tokens: int
     cancelled: threading.Event | None = None
 
@@ -78,7 +79,8 @@ def run_batch(
     device = assembler.device
     count = len(rows)
     skip = shared_tokens if count > 1 and assembler.shares_prefixes else 0
-    shared = assembler.shared_prefix(rows[0].prefix.cache, skip) if skip else None
+    first_prefix = rows[0].prefix
+    shared = assembler.shared_prefix(first_prefix.cache, skip) if skip and first_prefix is not None else None
     width = max(r.prefix_tokens for r in rows) - skip  # P: each row's own prefix slots
     suffixes = [r.token_ids[r.prefix_tokens :] for r in rows]
     span = max(len(s) for s in suffixes)  # S
@@ -105,8 +107,8 @@ def run_batch(
         logits = assembler.forward_rows(cache, ids, positions, mask.unsqueeze(1), shared)  # [rows, vocab]
 
     first_logits = logits.clone()
-    streams = [TextStream(tokenizer, r.params.stop) for r in rows]
-    generators = [r.params.generator(logits.device) for r in rows]
+    streams = [TextStream(tokenizer, r.request.stop_strings) for r in rows]
+    generators = [r.request.generator(logits.device) for r in rows]
     outputs: list[RowOutput | None] = [None] * count
     first_token_at = [0.0] * count
     next_position = torch.tensor([len(r.token_ids) for r in rows], device=device)
@@ -117,16 +119,20 @@ def run_batch(
         for b, i in enumerate(active):
             row, stream = rows[i], streams[i]
             if row.cancelled is not None and row.cancelled.is_set():
-                outputs[i] = RowOutput(stream.text, list(stream.ids), "cancelled", first_logits[i], first_token_at[i])
+                outputs[i] = RowOutput(
+                    stream.text, list(stream.ids), "cancelled", first_logits[i], first_token_at[i]
+                )
                 continue
-            token = select_token(logits[b], row.params, generators[i])
+            token = select_token(logits[b], row.request, generators[i])
             if step == 0:
                 first_token_at[i] = time.perf_counter()
             stream.push(token)
             if token in eos_ids or stream.stopped or step + 1 >= row.max_new_tokens:
                 stream.finish()
                 reason = "length" if token not in eos_ids and not stream.stopped else "stop"
-                outputs[i] = RowOutput(stream.text, list(stream.ids), reason, first_logits[i], first_token_at[i])
+                outputs[i] = RowOutput(
+                    stream.text, list(stream.ids), reason, first_logits[i], first_token_at[i]
+                )
                 continue
             chosen.append(token)
             keep.append(b)
@@ -139,7 +145,9 @@ def run_batch(
             active = [active[b] for b in keep]
         valid = torch.cat([valid, valid.new_ones(len(active), 1)], dim=1)
         tokens = torch.tensor(chosen, device=device).unsqueeze(1)
-        logits = assembler.forward_rows(cache, tokens, next_position.unsqueeze(1), valid[:, None, None, :], shared)
+        logits = assembler.forward_rows(
+            cache, tokens, next_position.unsqueeze(1), valid[:, None, None, :], shared
+        )
         next_position += 1
         step += 1
     return [o for o in outputs if o is not None]

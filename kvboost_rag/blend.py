@@ -37,7 +37,7 @@ from .keys import Chunk, content_key, group_spans
 from .registry import DocumentRegistry, Source
 from .rope import RopeShifter
 from .runner import CacheFiller, PrefillOutcome
-from .store.base import Hit, KVStore
+from .store.base import KVStore
 
 
 @dataclass(frozen=True)
@@ -52,15 +52,22 @@ class BlendSettings:
 
 def content_chunks(prompt: CanonicalPrompt, chunks: Sequence[Chunk]) -> list[bool]:
     """Per chunk: whether it holds content only (no template glue), so may be a reused passage."""
-    spans = [span for seg, span in zip(prompt.segments, prompt.segment_spans, strict=True)
-             if seg.kind in ("glue", "closing")]
+    spans = [
+        span
+        for seg, span in zip(prompt.segments, prompt.segment_spans, strict=True)
+        if seg.kind in ("glue", "closing")
+    ]
     return [not any(s < c.end and c.start < e for s, e in spans) for c in chunks]
 
 
 def record_sources(
-    registry: DocumentRegistry, namespace: str, token_ids: Sequence[int], chunks: Sequence[Chunk], flags: Sequence[bool]
+    registry: DocumentRegistry,
+    namespace: str,
+    token_ids: Sequence[int],
+    chunks: Sequence[Chunk],
+    flags: Sequence[bool],
 ) -> None:
-    """Record the stored location of each document chunk (``flags``), so blend reuse can find it by content."""
+    """Record where each document chunk (``flags``) is stored, so blend reuse can find it by content."""
     registry.add_sources(
         {
             content_key(namespace, token_ids[c.start : c.end]): Source(c.key, c.start)
@@ -71,7 +78,12 @@ def record_sources(
 
 
 def _reusable_kv(
-    chunk: Chunk, token_ids: Sequence[int], *, store: KVStore, registry: DocumentRegistry, namespace: str,
+    chunk: Chunk,
+    token_ids: Sequence[int],
+    *,
+    store: KVStore,
+    registry: DocumentRegistry,
+    namespace: str,
     shifter: RopeShifter,
 ) -> torch.Tensor | None:
     """Stored KV of this chunk's tokens, re-rotated to the chunk's positions, or None."""
@@ -98,43 +110,32 @@ def blend_prefill(
     capacity: int,
     store_last_logits: bool = True,
 ) -> PrefillOutcome:
-    """Fill a cache for ``prompt``: exact prefix, then reused documents with selective recompute."""
+    """Fill a cache for ``prompt``: exact prefix, then reused documents with selective recompute.
+
+    The caller holds background writes back (:func:`~kvboost_rag.runner.holding_writes`), as for a prefill.
+    """
     token_ids = prompt.token_ids
     is_doc = content_chunks(prompt, chunks)
     last = len(chunks) - 1
     cache = assembler.new_cache(capacity + len(token_ids))  # room for the recomputed tokens' fresh KV
-    filler = CacheFiller(assembler, token_ids, chunks, cache, store, step_tokens=None)
-    logits: torch.Tensor | None = None
-    lookup = dict(store=store, registry=registry, namespace=namespace, shifter=shifter)
+    reused: dict[int, torch.Tensor] = {}
+
+    def record(first: int, end: int) -> None:  # computed passages are exact: blend may find them later
+        record_sources(registry, namespace, token_ids, chunks[first : end + 1], is_doc[first : end + 1])
+
+    def reusable(i: int) -> bool:
+        if not is_doc[i] or i == last:
+            return False
+        kv = _reusable_kv(
+            chunks[i], token_ids, store=store, registry=registry, namespace=namespace, shifter=shifter
+        )
+        if kv is not None:
+            reused[i] = kv
+        return kv is not None
 
     # 1. The exact prefix: hits, and misses with no reusable passage, computed and stored.
-    first_blend: int | None = None
-    reused: dict[int, torch.Tensor] = {}
-    hits: list[Hit] = []
-    missing: int | None = None
-    for i, chunk in enumerate(chunks):
-        hit = store.get(chunk.key)
-        if hit is not None and (i < last or hit.chunk.last_logits is not None):
-            if missing is not None:
-                _compute_exact(filler, registry, namespace, is_doc, missing, i - 1, store_last_logits=False)
-                missing = None
-            hits.append(hit)
-            logits = hit.chunk.last_logits
-            continue
-        if hits:
-            filler.lay(hits)
-            hits = []
-        kv = _reusable_kv(chunk, token_ids, **lookup) if is_doc[i] and i < last else None
-        if kv is not None:
-            first_blend, reused[i] = i, kv
-            break
-        missing = i if missing is None else missing
-    if hits:
-        filler.lay(hits)
-    if missing is not None:
-        end = last if first_blend is None else first_blend - 1
-        logits = _compute_exact(filler, registry, namespace, is_doc, missing, end,
-                                store_last_logits=store_last_logits and first_blend is None)
+    filler = CacheFiller(assembler, token_ids, chunks, cache, store, step_tokens=None, on_computed=record)
+    logits, first_blend = filler.fill(store_last_logits=store_last_logits, until=reusable)
     cached, recomputed, stored = filler.cached, filler.recomputed, filler.stored
     if first_blend is None:
         assert logits is not None
@@ -144,10 +145,7 @@ def blend_prefill(
     # everything else, the boundary of each reused document, and the most deviating reused tokens.
     start, total = chunks[first_blend].start, len(token_ids)
     for i in range(first_blend + 1, last):
-        if is_doc[i]:
-            kv = _reusable_kv(chunks[i], token_ids, **lookup)
-            if kv is not None:
-                reused[i] = kv
+        reusable(i)
     is_reused = torch.zeros(total, dtype=torch.bool)
     for i in reused:
         is_reused[chunks[i].start : chunks[i].end] = True
@@ -160,35 +158,42 @@ def blend_prefill(
     t_select = time.perf_counter()
     budget = math.ceil(settings.recompute_ratio * int(is_reused.sum()))
     if budget:
-        _select_deviating(assembler, cache, token_ids, start, {chunks[i]: kv for i, kv in reused.items()}, fresh,
-                          budget, settings.select_layer)
+        _select_deviating(
+            assembler,
+            cache,
+            token_ids,
+            start,
+            {chunks[i]: kv for i, kv in reused.items()},
+            fresh,
+            budget,
+            settings.select_layer,
+        )
     select_s = time.perf_counter() - t_select
 
     # Lay the reused KV (placeholders elsewhere), then recompute the fresh tokens over it.
     template = next(iter(reused.values()))
-    pieces = [reused.get(i, template.new_zeros(*template.shape[:3], chunks[i].num_tokens, template.shape[4]))
-              for i in range(first_blend, len(chunks))]
+    pieces = [
+        reused.get(i, template.new_zeros(*template.shape[:3], chunks[i].num_tokens, template.shape[4]))
+        for i in range(first_blend, len(chunks))
+    ]
     assembler.append(cache, torch.cat(pieces, dim=3))  # [layers, 2, kv_heads, total - start, dim]
     logits = _recompute(assembler, cache, token_ids, fresh)
     approx = int((is_reused & ~fresh).sum())
     n_fresh = int(fresh.sum())
-    return PrefillOutcome(cache, logits, cached, recomputed + n_fresh, stored, approx_tokens=approx, select_s=select_s)
-
-
-def _compute_exact(
-    filler: CacheFiller, registry: DocumentRegistry, namespace: str, is_doc: Sequence[bool], first: int, last: int,
-    *, store_last_logits: bool,
-) -> torch.Tensor | None:
-    """Compute and store chunks ``first..last`` exactly; record where their passages now are stored."""
-    final = last == len(filler.chunks) - 1
-    logits = filler.compute(first, last, logits=final, store_logits=store_last_logits)
-    record_sources(registry, namespace, filler.token_ids, filler.chunks[first : last + 1], is_doc[first : last + 1])
-    return logits
+    return PrefillOutcome(
+        cache, logits, cached, recomputed + n_fresh, stored, approx_tokens=approx, select_s=select_s
+    )
 
 
 def _select_deviating(
-    assembler: Assembler, cache: Cache, token_ids: Sequence[int], start: int, reused: dict[Chunk, torch.Tensor],
-    fresh: torch.Tensor, budget: int, layer: int,
+    assembler: Assembler,
+    cache: Cache,
+    token_ids: Sequence[int],
+    start: int,
+    reused: dict[Chunk, torch.Tensor],
+    fresh: torch.Tensor,
+    budget: int,
+    layer: int,
 ) -> None:
     """Mark for recompute (in ``fresh``) the ``budget`` reused tokens whose KV at ``layer`` deviates most
     from what the layers below compute over this prompt (``cache`` holds the exact prefix up to ``start``)."""
@@ -198,12 +203,16 @@ def _select_deviating(
         kv = kv_all[layer].float()  # [2, kv_heads, tokens, dim]
         k_true = true_k[:, c.start - start : c.end - start].float()
         v_true = true_v[:, c.start - start : c.end - start].float()
-        deviation[c.start : c.end] = (((kv[0] - k_true) ** 2).sum((0, 2)) + ((kv[1] - v_true) ** 2).sum((0, 2))).cpu()
+        deviation[c.start : c.end] = (
+            ((kv[0] - k_true) ** 2).sum((0, 2)) + ((kv[1] - v_true) ** 2).sum((0, 2))
+        ).cpu()
     deviation[fresh] = -1.0  # recomputed anyway
     fresh[deviation.topk(min(budget, int((deviation >= 0).sum()))).indices] = True
 
 
-def _recompute(assembler: Assembler, cache: Cache, token_ids: Sequence[int], fresh: torch.Tensor) -> torch.Tensor:
+def _recompute(
+    assembler: Assembler, cache: Cache, token_ids: Sequence[int], fresh: torch.Tensor
+) -> torch.Tensor:
     """Run the ``fresh`` tokens over ``cache`` (which holds a slot per prompt token) in one forward, move
     their new KV into their slots, and return the logits of the last one (the prompt's last token)."""
     positions = fresh.nonzero().squeeze(1)  # [q], ascending

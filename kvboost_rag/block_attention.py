@@ -32,15 +32,21 @@ chunk schedule instead (:mod:`kvboost_rag.chunk_attention`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .chunk_attention import for_others, mask_for_others, merge_partial_softmax
+from .chunk_attention import (
+    AttentionCall,
+    attention_function,
+    for_others,
+    mask_for_others,
+    merge_partial_softmax,
+    thread_value,
+)
 
 ATTENTION_NAME = "kvboost_block_sdpa"
 KEY_BLOCK = 512
@@ -48,7 +54,10 @@ KEY_BLOCK = 512
 ROW_MULTIPLE = 8
 """Row counts that are multiples of this take the same matrix kernels as long prefills."""
 
-_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_cpu: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None
+)
+"""PyTorch's CPU flash attention, returning ``(output, logsumexp)``; None where this build lacks it."""
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -80,7 +89,9 @@ _state = threading.local()
 
 
 @contextmanager
-def queries_at(start: int, count: int, groups: int, dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+def queries_at(
+    start: int, count: int, groups: int, dtype: torch.dtype, device: torch.device
+) -> Iterator[None]:
     """Declare that the forward inside runs ``count`` queries at positions ``start..``.
 
     The masks depend on the positions only, so they are built once here for every layer.
@@ -98,36 +109,35 @@ def queries_at(start: int, count: int, groups: int, dtype: torch.dtype, device: 
         mask.masked_fill_(keys[None, :] > positions[:, None], float("-inf"))
         blocks.append(_QueryBlock(lo, hi, block, mask.repeat(groups, 1)[None, None]))
         lo = hi
-    _state.blocks = blocks
-    try:
+    with thread_value(_state, "blocks", blocks):
         yield
-    finally:
-        _state.blocks = None
 
 
-def block_causal_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention-interface function.
+@attention_function
+def block_causal_attention(call: AttentionCall) -> tuple[torch.Tensor, None]:
+    """Split-invariant causal attention.
 
     ``query [B, H, L, D]`` at the positions declared by :func:`queries_at`; ``key``/``value``
     ``[B, KV, S, D]`` are the cache buffers padded to whole key blocks (masked slots hold
     finite values). Returns ``[B, L, H, D]``.
     """
+    query, key, value, scaling = call.query, call.key, call.value, call.scaling
     blocks = getattr(_state, "blocks", None)
     if blocks is None:
         msg = f"{ATTENTION_NAME} runs only inside queries_at(); the assembler selects it for its own forwards"
         raise RuntimeError(msg)
-    if dropout or kwargs.get("softcap") or kwargs.get("position_bias") is not None or key.shape[-1] != value.shape[-1]:
-        msg = f"{type(module).__name__} needs attention features (soft-capping, position bias, dropout) that {ATTENTION_NAME} lacks"
+    if (
+        call.dropout
+        or call.options.get("softcap")
+        or call.options.get("position_bias") is not None
+        or key.shape[-1] != value.shape[-1]
+    ):
+        msg = (
+            f"{type(call.module).__name__} needs attention features (soft-capping, position bias, dropout) "
+            f"that {ATTENTION_NAME} lacks"
+        )
         raise NotImplementedError(msg)
+    assert _flash_cpu is not None  # registered only where it exists (available)
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads

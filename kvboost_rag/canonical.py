@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from .errors import InvalidRequestError, UnsupportedModelError
 
@@ -61,7 +61,9 @@ def segments_before(segments: Sequence[Segment], marker: str) -> list[Segment]:
     for i, segment in enumerate(segments):
         if marker in segment.text:
             return [*segments[:i], Segment(segment.text[: segment.text.index(marker)], segment.kind)]
-    msg = "the rendered prompt lost the context placeholder; the chat template must keep message text verbatim"
+    msg = (
+        "the rendered prompt lost the context placeholder; the chat template must keep message text verbatim"
+    )
     raise InvalidRequestError(msg)
 
 
@@ -142,10 +144,13 @@ def _content_texts(message: Message, index: int) -> list[str]:
     raise InvalidRequestError(msg)
 
 
-def is_messages(prompt: object) -> bool:
+def is_messages(prompt: object) -> TypeGuard[Sequence[Message]]:
     """Whether a prompt is a chat message list (rendered through the chat template)."""
-    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) > 0 and all(
-        isinstance(p, Mapping) for p in prompt
+    return (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, str)
+        and len(prompt) > 0
+        and all(isinstance(p, Mapping) for p in prompt)
     )
 
 
@@ -187,7 +192,10 @@ class Canonicalizer:
         saved, self._anchor = self._anchor, anchor
         try:
             pairs = [("Hello", "world"), ("Hello ", "world"), ("a\n", " b"), ("x", "  y ")]
-            return all(self.decode(self._tokenize_uncached(a) + self._tokenize_uncached(b)) == a + b for a, b in pairs)
+            return all(
+                self.decode(self._tokenize_uncached(a) + self._tokenize_uncached(b)) == a + b
+                for a, b in pairs
+            )
         finally:
             self._anchor = saved
 
@@ -199,10 +207,14 @@ class Canonicalizer:
             return None
         for name in ("unk_token", "pad_token", "eos_token", "bos_token"):
             token = getattr(self.tokenizer, name, None)
-            ids = self._encode(token) if isinstance(token, str) else []
+            if not isinstance(token, str):
+                continue
+            ids = self._encode(token)
             if len(ids) == 1 and self._joins_cleanly((token, ids[0])):
                 return token, ids[0]
-        logger.warning("segments tokenized on their own do not decode back to their concatenation with this tokenizer")
+        logger.warning(
+            "segments tokenized on their own do not decode back to their concatenation with this tokenizer"
+        )
         return None
 
     def _tokenize_uncached(self, text: str) -> tuple[int, ...]:
@@ -238,7 +250,9 @@ class Canonicalizer:
         segments = self.segments_of(prompt, add_generation_prompt=add_generation_prompt, **template_kwargs)
         segments = [part for s in segments for part in split_paragraphs(s) if part.text]
         if not segments:
-            raise InvalidRequestError("the prompt is empty; pass a non-empty string, segment list or message list")
+            raise InvalidRequestError(
+                "the prompt is empty; pass a non-empty string, segment list or message list"
+            )
         ids = [self.tokenize(s.text) for s in segments]
         if self._bos_id is not None and ids[0][:1] != (self._bos_id,):
             segments.insert(0, Segment(self.tokenizer.bos_token, "glue"))
@@ -259,7 +273,9 @@ class Canonicalizer:
             )
             raise InvalidRequestError(msg)
         if is_messages(prompt):
-            return self.render_messages(prompt, add_generation_prompt=add_generation_prompt, **template_kwargs)
+            return self.render_messages(
+                prompt, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
         out = []
         for i, part in enumerate(prompt):
             if isinstance(part, str):
@@ -267,7 +283,10 @@ class Canonicalizer:
             elif isinstance(part, Segment):
                 out.append(Segment(normalize_text(part.text), part.kind))
             else:
-                msg = f"prompt item {i} is a {type(part).__name__}; a segment list holds only strings and Segments"
+                msg = (
+                    f"prompt item {i} is a {type(part).__name__}; "
+                    "a segment list holds only strings and Segments"
+                )
                 raise InvalidRequestError(msg)
         return out
 

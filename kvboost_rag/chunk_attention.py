@@ -23,6 +23,7 @@ import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,13 +32,72 @@ import torch.nn.functional as F
 ATTENTION_NAME = "kvboost_chunked_sdpa"
 SHARED_PREFIX_NAME = "kvboost_shared_prefix_sdpa"
 
-_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+AttentionFunction = Callable[..., tuple[torch.Tensor, Any]]
+"""transformers' attention interface: ``(module, query, key, value, attention_mask, dropout=0.0,
+scaling=None, **kwargs)`` with ``query [B, H, L, D]``, ``key``/``value`` ``[B, KV, S, D]``;
+returns ``(output [B, L, H, D], weights or None)``."""
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """The arguments of one attention-interface call."""
+
+    module: torch.nn.Module
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attention_mask: torch.Tensor | None
+    dropout: float
+    scaling: float | None
+    options: dict[str, Any]
+    """Further keyword arguments (``softcap``, ``position_bias``, ...)."""
+
+    def sdpa(self) -> tuple[torch.Tensor, Any]:
+        """transformers' own SDPA attention over these arguments."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            self.module,
+            self.query,
+            self.key,
+            self.value,
+            self.attention_mask,
+            self.dropout,
+            self.scaling,
+            **self.options,
+        )
+
+
+def attention_function(kernel: Callable[[AttentionCall], tuple[torch.Tensor, Any]]) -> AttentionFunction:
+    """``kernel`` with transformers' attention-interface signature (see :data:`AttentionFunction`)."""
+
+    @functools.wraps(kernel)
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        return kernel(AttentionCall(module, query, key, value, attention_mask, dropout, scaling, kwargs))
+
+    return attention
+
+
+_flash_cpu: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None
+)
+"""PyTorch's CPU flash attention, returning ``(output, logsumexp)``; None where this build lacks it."""
 
 
 def _merge_past_and_block(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
     """``query [B, H, L, D]`` over ``key/value [B, KV, S, D]`` with the last L keys its own (CPU flash)."""
+    assert _flash_cpu is not None  # called only where it exists
     batch, heads, q_len, dim = query.shape
     kv_heads, past = key.shape[1], key.shape[2] - q_len
     groups = heads // kv_heads
@@ -55,27 +115,23 @@ def _merge_past_and_block(
     return merge_partial_softmax(out_past, lse_past, out_block, lse_block).to(query.dtype)
 
 
-def chunked_causal_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention-interface function; returns ``[B, L, H, D]``."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    special = attention_mask is not None or kwargs.get("position_bias") is not None or kwargs.get("softcap")
+@attention_function
+def chunked_causal_attention(call: AttentionCall) -> tuple[torch.Tensor, Any]:
+    """Causal attention of the last L keys' queries over all S keys (see the module docstring)."""
+    query, key, value, scaling = call.query, call.key, call.value, call.scaling
+    options = call.options
+    special = (
+        call.attention_mask is not None or options.get("position_bias") is not None or options.get("softcap")
+    )
     heads, kv_heads = query.shape[1], key.shape[1]
-    if special or dropout or key.shape[-1] != value.shape[-1] or heads % kv_heads:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if special or call.dropout or key.shape[-1] != value.shape[-1] or heads % kv_heads:
+        return call.sdpa()
     q_len, past = query.shape[2], key.shape[2] - query.shape[2]
     gqa = heads != kv_heads
     if past == 0 or q_len == 1:  # plain causal prefill, or one token attending to everything
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=past == 0 and q_len > 1, scale=scaling, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=past == 0 and q_len > 1, scale=scaling, enable_gqa=gqa
+        )
     elif _flash_cpu is not None and query.device.type == "cpu":
         out = _merge_past_and_block(query, key, value, scaling)
     else:
@@ -84,12 +140,25 @@ def chunked_causal_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def merge_partial_softmax(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+def merge_partial_softmax(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
     """Softmax over the union of two key sets from each part's output and log-sum-exp ``[..., L]``."""
     top = torch.maximum(lse_a, lse_b)
     w_a = torch.exp(lse_a - top).unsqueeze(-1)
     w_b = torch.exp(lse_b - top).unsqueeze(-1)
     return (out_a.float() * w_a + out_b.float() * w_b) / (w_a + w_b)
+
+
+@contextmanager
+def thread_value(local: threading.local, name: str, value: object) -> Iterator[None]:
+    """Set ``local.<name>`` to ``value`` on this thread for the block inside; the previous value after."""
+    previous = getattr(local, name, None)
+    setattr(local, name, value)
+    try:
+        yield
+    finally:
+        setattr(local, name, previous)
 
 
 _shared = threading.local()
@@ -102,40 +171,44 @@ def shared_prefix_available(device: torch.device) -> bool:
 
 @contextmanager
 def shared_prefix(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
-    """Make ``(keys, values)`` ``[1, kv_heads, P, head_dim]`` per layer the shared prefix of the calls inside."""
-    _shared.layers = layers
-    try:
+    """Make ``(keys, values)`` ``[1, kv_heads, P, head_dim]`` per layer the shared prefix of the calls
+    inside."""
+    with thread_value(_shared, "layers", layers):
         yield
-    finally:
-        _shared.layers = None
 
 
-def shared_prefix_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+@attention_function
+def shared_prefix_attention(call: AttentionCall) -> tuple[torch.Tensor, None]:
     """``query [B, H, L, D]`` over the shared prefix and each row's own ``key/value [B, KV, S, D]``
     under ``attention_mask`` (bool ``[B, 1, L, S]``, True: attend); returns ``[B, L, H, D]``."""
-    shared_k, shared_v = _shared.layers[module.layer_idx]  # [1, KV, P, D]
+    assert _flash_cpu is not None  # selected only where it exists (shared_prefix_available)
+    attention_mask = call.attention_mask
+    assert attention_mask is not None  # batches always pass their own mask
+    query, key, value, scaling = call.query, call.key, call.value, call.scaling
+    shared_k, shared_v = _shared.layers[call.module.layer_idx]  # [1, KV, P, D]
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     # Shared part: no mask, so all rows' queries of a KV group fold into one sequence axis.
     folded = query.reshape(batch, kv_heads, groups * q_len, dim).transpose(0, 1).reshape(1, kv_heads, -1, dim)
     out_shared, lse_shared = _flash_cpu(folded, shared_k, shared_v, scale=scaling)
-    out_shared = out_shared.reshape(kv_heads, batch, groups * q_len, -1).transpose(0, 1).reshape(batch, heads, q_len, -1)
-    lse_shared = lse_shared.reshape(kv_heads, batch, groups * q_len).transpose(0, 1).reshape(batch, heads, q_len)
+    out_shared = (
+        out_shared.reshape(kv_heads, batch, groups * q_len, -1)
+        .transpose(0, 1)
+        .reshape(batch, heads, q_len, -1)
+    )
+    lse_shared = (
+        lse_shared.reshape(kv_heads, batch, groups * q_len).transpose(0, 1).reshape(batch, heads, q_len)
+    )
     # Rows' own part: few keys, so expand them to the query heads and apply the mask.
     bias = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
     bias.masked_fill_(~attention_mask, float("-inf"))
     out_rows, lse_rows = _flash_cpu(
-        query, key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), attn_mask=bias, scale=scaling
+        query,
+        key.repeat_interleave(groups, dim=1),
+        value.repeat_interleave(groups, dim=1),
+        attn_mask=bias,
+        scale=scaling,
     )
     merged = merge_partial_softmax(out_shared, lse_shared, out_rows, lse_rows).to(query.dtype)
     return merged.transpose(1, 2).contiguous(), None
@@ -152,25 +225,20 @@ def owned() -> Iterator[None]:
     another thread runs over the same model meanwhile (``model.generate`` while the engine
     stores a reply in the background) is not ours, and gets plain SDPA and its mask.
     """
-    previous = getattr(_owner, "active", False)
-    _owner.active = True
-    try:
+    with thread_value(_owner, "active", True):
         yield
-    finally:
-        _owner.active = previous
 
 
-def for_others(attention: Callable[..., tuple[torch.Tensor, None]]) -> Callable[..., tuple[torch.Tensor, None]]:
+def for_others(attention: AttentionFunction) -> AttentionFunction:
     """``attention`` in our forwards, transformers' SDPA in anyone else's."""
 
     @functools.wraps(attention)
-    def dispatch(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    def dispatch(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         if getattr(_owner, "active", False):
-            return attention(module, query, key, value, attention_mask, *args, **kwargs)
+            return attention(*args, **kwargs)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+        return sdpa_attention_forward(*args, **kwargs)
 
     return dispatch
 

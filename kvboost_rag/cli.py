@@ -13,10 +13,14 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequestError, ModelNotFoundError, StoreError, UnsupportedModelError
 from .models import ALIASES, kvboost_home
+
+if TYPE_CHECKING:
+    from .engine import KVBoostEngine
+    from .store import DiskStore
 
 EXIT_OK, EXIT_BAD_ENTRIES, EXIT_BAD_INPUT, EXIT_MODEL, EXIT_STORE = 0, 1, 2, 3, 4
 DOCUMENT_SUFFIXES = (".txt", ".md", ".rst")
@@ -29,13 +33,18 @@ def _default_store() -> str:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF id or local path")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--chunk-size", type=int, default=None, help="tokens per stored chunk (default: the engine's)")
+    p.add_argument(
+        "--chunk-size", type=int, default=None, help="tokens per stored chunk (default: the engine's)"
+    )
 
 
 def _add_redis_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=os.environ.get("KVBOOST_REDIS_URL"),
-                   help="shared Redis KV tier, redis://[:password@]host:port/db or rediss:// for TLS "
-                        "(default: $KVBOOST_REDIS_URL; none: no Redis tier)")
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("KVBOOST_REDIS_URL"),
+        help="shared Redis KV tier, redis://[:password@]host:port/db or rediss:// for TLS "
+        "(default: $KVBOOST_REDIS_URL; none: no Redis tier)",
+    )
 
 
 def _engine(args: argparse.Namespace, store_dir: str | None) -> Any:
@@ -64,22 +73,36 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument("--reuse", default="exact", choices=["exact", "blend", "off"],
-                     help="exact: zero-loss reuse; blend: also reuse pre-warmed documents at new positions "
-                          "(approximate, reported); off: no cache")
-    gen.add_argument("--blend-ratio", type=float, default=None,
-                     help="blend mode: share of reused document tokens to recompute (default: the engine's blend_recompute_ratio)")
+    gen.add_argument(
+        "--reuse",
+        default="exact",
+        choices=["exact", "blend", "off"],
+        help="exact: zero-loss reuse; blend: also reuse pre-warmed documents at new positions "
+        "(approximate, reported); off: no cache",
+    )
+    gen.add_argument(
+        "--blend-ratio",
+        type=float,
+        default=None,
+        help="blend mode: share of reused document tokens to recompute (default: the engine's setting)",
+    )
     gen.add_argument("--json", action="store_true", help="print the result with usage and timings as JSON")
 
     pre = sub.add_parser("prewarm", help="compute and store the KV of documents ahead of queries")
-    pre.add_argument("sources", nargs="+", help="folders of .txt/.md/.rst files, JSONL files (text, id), or globs")
+    pre.add_argument(
+        "sources", nargs="+", help="folders of .txt/.md/.rst files, JSONL files (text, id), or globs"
+    )
     _add_model_args(pre)
     pre.add_argument("--store", default=_default_store(), help="KV store directory (default: %(default)s)")
     _add_redis_args(pre)
     group = pre.add_mutually_exclusive_group()
     group.add_argument("--prefix", default=None, help="exact prompt text that precedes each document")
-    group.add_argument("--system", default=None, help="system prompt: the prefix is the chat template's text "
-                       "up to the start of the user message that holds the documents")
+    group.add_argument(
+        "--system",
+        default=None,
+        help="system prompt: the prefix is the chat template's text "
+        "up to the start of the user message that holds the documents",
+    )
     pre.add_argument("--pin", action="store_true", help="never evict these documents")
     pre.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -89,7 +112,9 @@ def _parser() -> argparse.ArgumentParser:
 
     ver = sub.add_parser("verify", help="check every entry; optionally recompute a sample bitwise")
     ver.add_argument("--store", default=_default_store())
-    ver.add_argument("--sample", type=int, default=0, help="entries to recompute with --model and compare bitwise")
+    ver.add_argument(
+        "--sample", type=int, default=0, help="entries to recompute with --model and compare bitwise"
+    )
     _add_model_args(ver)
 
     gc = sub.add_parser("gc", help="drop the entries of every namespace but the given model's")
@@ -103,23 +128,48 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list the offline model aliases")
 
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    srv.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
-                     help="alias, HF id or local path (same as --model)")
+    srv.add_argument(
+        "model_arg",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="alias, HF id or local path (same as --model)",
+    )
     _add_model_args(srv)
     srv.add_argument("--store", default=None, help="KV store directory (default: memory only)")
     _add_redis_args(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
+    srv.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)"
+    )
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="name /v1/models lists (default: MODEL)")
-    srv.add_argument("--max-queue", type=int, default=64,
-                     help="most requests admitted at once, running or waiting; more get 429 (default: %(default)s)")
-    srv.add_argument("--request-timeout-s", type=float, default=120.0,
-                     help="per-request limit, streams included; past it 504 and the generation stops")
-    srv.add_argument("--batch-window-ms", type=float, default=None,
-                     help="how long a request waits for others to join its batch (default: the engine's)")
-    srv.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request sets none")
-    srv.add_argument("--shutdown-grace-s", type=float, default=30.0,
-                     help="on SIGTERM/SIGINT, how long running requests may finish before they are stopped")
+    srv.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="most requests admitted at once, running or waiting; more get 429 (default: %(default)s)",
+    )
+    srv.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=120.0,
+        help="per-request limit, streams included; past it 504 and the generation stops",
+    )
+    srv.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=None,
+        help="how long a request waits for others to join its batch (default: the engine's)",
+    )
+    srv.add_argument(
+        "--default-max-tokens", type=int, default=256, help="max_tokens when a request sets none"
+    )
+    srv.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, how long running requests may finish before they are stopped",
+    )
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -156,7 +206,9 @@ def _jsonl_texts(file: Path) -> Iterator[str]:
                 record = json.loads(line)
                 text = record["text"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise InvalidRequestError(f"{file}:{n}: each JSONL line needs a JSON object with a 'text' field") from e
+                raise InvalidRequestError(
+                    f"{file}:{n}: each JSONL line needs a JSON object with a 'text' field"
+                ) from e
             if not isinstance(text, str):
                 raise InvalidRequestError(f"{file}:{n}: 'text' must be a string")
             yield text
@@ -184,12 +236,21 @@ def _generate(args: argparse.Namespace) -> int:
         ]
     with _engine(args, args.store) as engine:
         kwargs = dict(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, stop=args.stop,
-            reuse=args.reuse, blend_recompute_ratio=args.blend_ratio,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            stop=args.stop,
+            reuse=args.reuse,
+            blend_recompute_ratio=args.blend_ratio,
         )
         if args.json:
             r = engine.generate(prompt, **kwargs)
-            out = {"text": r.text, "finish_reason": r.finish_reason, "usage": vars(r.usage), "timings": vars(r.timings)}
+            out = {
+                "text": r.text,
+                "finish_reason": r.finish_reason,
+                "usage": vars(r.usage),
+                "timings": vars(r.timings),
+            }
             print(json.dumps(out, indent=2))
             return EXIT_OK
         for chunk in engine.stream(prompt, **kwargs):
@@ -197,8 +258,10 @@ def _generate(args: argparse.Namespace) -> int:
             if chunk.result is not None:
                 u, t = chunk.result.usage, chunk.result.timings
                 approx = f", {u.approx_tokens} blended" if u.approx_tokens else ""
-                print(f"\n[{u.prompt_tokens} prompt tokens, {u.cached_tokens} reused{approx}, TTFT {t.ttft_s:.3f} s]",
-                      file=sys.stderr)
+                reused = f"{u.cached_tokens} reused{approx}"
+                print(
+                    f"\n[{u.prompt_tokens} prompt tokens, {reused}, TTFT {t.ttft_s:.3f} s]", file=sys.stderr
+                )
     return EXIT_OK
 
 
@@ -209,7 +272,11 @@ def _prewarm(args: argparse.Namespace) -> int:
     if not documents:
         raise InvalidRequestError("no documents found in the given sources")
     with _engine(args, args.store) as engine:
-        prefix = args.prefix if args.prefix is not None else (system_prefix(engine, args.system) if args.system else "")
+        prefix = (
+            args.prefix
+            if args.prefix is not None
+            else (system_prefix(engine, args.system) if args.system else "")
+        )
         with tqdm(total=len(documents), unit="doc", disable=args.quiet, file=sys.stderr) as bar:
             tokens = [0]
 
@@ -227,12 +294,22 @@ def _prewarm(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _open_disk(store: str):
+def _open_disk(store: str) -> DiskStore:
     from .store import DiskStore
 
     if not Path(store).expanduser().is_dir():
         raise StoreError(f"no store at {store!r}; pass --store with the directory given to prewarm")
     return DiskStore(store, namespace="", background_writes=False)
+
+
+def _disk_tier(engine: KVBoostEngine) -> DiskStore:
+    """The engine's disk tier (the engine may have a Redis tier after it)."""
+    from .store import DiskStore
+
+    for tier in engine.store.tiers:
+        if isinstance(tier, DiskStore):
+            return tier
+    raise StoreError("the engine has no disk tier; pass --store with the directory given to prewarm")
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -255,11 +332,15 @@ def _stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"{out['store']}: {out['entries']} entries, {out['bytes'] / 2**20:.1f} MiB, "
-              f"{out['documents']} registered documents")
+        print(
+            f"{out['store']}: {out['entries']} entries, {out['bytes'] / 2**20:.1f} MiB, "
+            f"{out['documents']} registered documents"
+        )
         for ns, row in out["namespaces"].items():
-            print(f"  namespace {ns[:16]}…: {row['entries']} entries, {row['bytes'] / 2**20:.1f} MiB, "
-                  f"{row['reads']} reads, {row['pinned']} pinned")
+            print(
+                f"  namespace {ns[:16]}…: {row['entries']} entries, {row['bytes'] / 2**20:.1f} MiB, "
+                f"{row['reads']} reads, {row['pinned']} pinned"
+            )
     return EXIT_OK
 
 
@@ -275,17 +356,18 @@ def _verify(args: argparse.Namespace) -> int:
     ok = report.ok
     if args.sample:
         with _engine(args, args.store) as engine:
-            disk = engine.store.tiers[-1]
-            sample = recompute_sample(engine, disk, args.sample)
-        print(f"recomputed {sample.recomputed} entries: {len(sample.mismatched)} differ bitwise, "
-              f"{sample.unverifiable} could not be rebuilt (a parent chunk was evicted)")
+            sample = recompute_sample(engine, _disk_tier(engine), args.sample)
+        print(
+            f"recomputed {sample.recomputed} entries: {len(sample.mismatched)} differ bitwise, "
+            f"{sample.unverifiable} could not be rebuilt (a parent chunk was evicted)"
+        )
         ok = ok and sample.ok
     return EXIT_OK if ok else EXIT_BAD_ENTRIES
 
 
 def _gc(args: argparse.Namespace) -> int:
     with _engine(args, args.store) as engine:
-        dropped = engine.store.tiers[-1].drop_namespaces({engine.namespace})
+        dropped = _disk_tier(engine).drop_namespaces({engine.namespace})
     print(f"dropped {dropped} entries of other models, dtypes or tokenizers")
     return EXIT_OK
 
@@ -312,22 +394,36 @@ def _serve(args: argparse.Namespace) -> int:
     if args.model_arg is not None:
         args.model = args.model_arg
     if args.max_queue < 1 or args.request_timeout_s <= 0 or args.default_max_tokens < 1:
-        raise InvalidRequestError("--max-queue and --default-max-tokens must be >= 1, --request-timeout-s > 0")
+        raise InvalidRequestError(
+            "--max-queue and --default-max-tokens must be >= 1, --request-timeout-s > 0"
+        )
     from .server import serve
 
     engine = _engine(args, args.store)
     # serve() closes the engine on shutdown (flushing pending store writes)
     serve(
-        engine, host=args.host, port=args.port, log_level=args.log_level,
-        model_name=args.served_model_name or args.model, max_queue=args.max_queue,
-        request_timeout_s=args.request_timeout_s, default_max_tokens=args.default_max_tokens,
+        engine,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        model_name=args.served_model_name or args.model,
+        max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout_s,
+        default_max_tokens=args.default_max_tokens,
         shutdown_grace_s=args.shutdown_grace_s,
     )
     return EXIT_OK
 
 
-COMMANDS = {"generate": _generate, "prewarm": _prewarm, "stats": _stats, "verify": _verify, "gc": _gc,
-            "clear": _clear, "serve": _serve}
+COMMANDS = {
+    "generate": _generate,
+    "prewarm": _prewarm,
+    "stats": _stats,
+    "verify": _verify,
+    "gc": _gc,
+    "clear": _clear,
+    "serve": _serve,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+DEFAULT_INVARIANT_CHUNK = 64
+"""Chunk size with the split-invariant forward: reuse to within 64 tokens of any shared prefix."""
+DEFAULT_CANONICAL_CHUNK = 1024
+"""Chunk size of the canonical schedule, where each chunk is also a forward step."""
+
 ReuseMode = Literal["exact", "blend", "off"]
+PrefillSchedule = Literal["auto", "invariant", "canonical"]
 
 
 class EngineConfig(BaseModel):
@@ -29,7 +35,7 @@ class EngineConfig(BaseModel):
     steps measured ~0.87x the speed of one full prefill, 1024-token steps 0.97-1.0x. Chunks never
     cross a segment, so documents and messages keep their own chunks either way."""
 
-    prefill_schedule: Literal["auto", "invariant", "canonical"] = "auto"
+    prefill_schedule: PrefillSchedule = "auto"
     """``auto``: probe at load (once per model and platform, remembered) whether forwards split at
     any point give the bits of one forward, and use the split-invariant forward if so, else the
     canonical chunk schedule (``engine.stats()["reuse"]`` and ``result.reuse_note`` say which).
@@ -106,3 +112,13 @@ class EngineConfig(BaseModel):
     store_last_logits: bool = True
     """Keep the final-position logits with the last chunk of each prompt, so that a repeated
     prompt needs no forward pass at all before its first token."""
+
+    def chunk_tokens(self, *, invariant: bool) -> int:
+        """``chunk_size``, or its default for the prefill schedule in use.
+
+        >>> EngineConfig().chunk_tokens(invariant=True), EngineConfig().chunk_tokens(invariant=False)
+        (64, 1024)
+        """
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return DEFAULT_INVARIANT_CHUNK if invariant else DEFAULT_CANONICAL_CHUNK

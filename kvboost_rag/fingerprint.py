@@ -37,7 +37,7 @@ def refresh_model_fingerprint(model: torch.nn.Module) -> str:
         t = tensor.detach()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         raw = t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        h.update(memoryview(raw))
+        h.update(raw.data)  # a memoryview of the array's bytes, as memoryview(raw)
     digest = h.hexdigest()
     setattr(model, _ATTR, digest)
     return digest

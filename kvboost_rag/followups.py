@@ -19,14 +19,14 @@ True
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from .busy import close_at_exit, run_queue
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +41,6 @@ IDLE_GRACE_S = 0.25
 call usually comes sooner, and then already holds the reply itself."""
 
 
-_OPEN: weakref.WeakSet[FollowUps] = weakref.WeakSet()
-
-
-@atexit.register
-def _finish_open() -> None:
-    """Let running jobs end before the interpreter tears down (they use torch)."""
-    for jobs in list(_OPEN):
-        jobs.close()
-
-
 class FollowUps:
     def __init__(self, name: str = "kvboost-followups") -> None:
         self._name = name
@@ -59,7 +49,7 @@ class FollowUps:
         self._lock = threading.Lock()
         self._idle = threading.Condition()
         self._active = 0
-        _OPEN.add(self)
+        close_at_exit(self, "work")  # running jobs end before the interpreter tears down (they use torch)
 
     @contextmanager
     def activity(self) -> Iterator[None]:
@@ -99,7 +89,8 @@ class FollowUps:
             thread.join()
 
     def _wait_for_idle(self) -> bool:
-        """Wait until no request has been in progress for ``IDLE_GRACE_S``; False after ``MAX_IDLE_WAIT_S``."""
+        """Wait until no request has been in progress for ``IDLE_GRACE_S``; False after
+        ``MAX_IDLE_WAIT_S``."""
         deadline = time.monotonic() + MAX_IDLE_WAIT_S
         with self._idle:
             while True:
@@ -110,16 +101,10 @@ class FollowUps:
                     return True  # still idle after the grace period
 
     def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                if self._wait_for_idle():
-                    job()
-                else:
-                    logger.debug("no idle moment for a follow-up job; dropped")
-            except Exception:
-                logger.exception("background follow-up failed; it only costs reuse")
-            finally:
-                self._queue.task_done()
+        run_queue(self._queue, self._run, "a background follow-up")  # a failure only costs reuse
+
+    def _run(self, job: Callable[[], None]) -> None:
+        if self._wait_for_idle():
+            job()
+        else:
+            logger.debug("no idle moment for a follow-up job; dropped")

@@ -18,15 +18,19 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
 from .assembler import Assembler
 from .block_attention import KEY_BLOCK
+from .config import PrefillSchedule
+from .errors import UnsupportedModelError
+from .models import kvboost_home
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +72,7 @@ def _run(assembler: Assembler, ids: list[int], cuts: Sequence[int]) -> tuple[tor
 
 
 def check_split_invariance(assembler: Assembler, vocab_size: int, *, seed: int = 0) -> InvarianceReport:
-    """Run random tokens as one forward and as split forwards; compare every KV and the last logits bitwise."""
+    """Run random tokens as one forward and as split forwards; compare all KV and the last logits bitwise."""
     t0 = time.perf_counter()
     if not assembler.can_run_invariant:
         return InvarianceReport(False, f"no split-invariant attention for device {assembler.device.type}")
@@ -81,7 +85,9 @@ def check_split_invariance(assembler: Assembler, vocab_size: int, *, seed: int =
                 kv_split, logits_split = _run(assembler, ids, cuts)
                 if not torch.equal(kv, kv_split) or not torch.equal(logits, logits_split):
                     diff = (kv.float() - kv_split.float()).abs().max().item()
-                    detail = f"a forward split at {list(cuts)} differs from one forward (KV by up to {diff:.1e})"
+                    detail = (
+                        f"a forward split at {list(cuts)} differs from one forward (KV by up to {diff:.1e})"
+                    )
                     return InvarianceReport(False, detail, time.perf_counter() - t0)
     except (NotImplementedError, RuntimeError, ValueError) as e:
         return InvarianceReport(False, f"the split-invariant forward failed: {e}", time.perf_counter() - t0)
@@ -91,13 +97,21 @@ def check_split_invariance(assembler: Assembler, vocab_size: int, *, seed: int =
 
 def platform_key(namespace: str) -> str:
     """What the probe's answer depends on: the model's namespace, torch, and the CPU's kernels."""
-    parts = [str(PROBE_VERSION), namespace, torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability()]
+    parts = [
+        str(PROBE_VERSION),
+        namespace,
+        torch.__version__,
+        platform.machine(),
+        torch.backends.cpu.get_cpu_capability(),
+    ]
     if torch.cuda.is_available():
         parts.append(torch.cuda.get_device_name())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
-def remembered_invariance(assembler: Assembler, vocab_size: int, namespace: str, memo: Path) -> InvarianceReport:
+def remembered_invariance(
+    assembler: Assembler, vocab_size: int, namespace: str, memo: Path
+) -> InvarianceReport:
     """:func:`check_split_invariance`, run once per platform key and remembered in the ``memo`` JSON file."""
     key = platform_key(namespace)
     try:
@@ -120,3 +134,52 @@ def remembered_invariance(assembler: Assembler, vocab_size: int, namespace: str,
     except OSError as e:
         logger.warning("could not remember the split-invariance probe in %s (%s)", memo, e)
     return report
+
+
+def choose_schedule(
+    assembler: Assembler, schedule: PrefillSchedule, namespace_of: Callable[[], str], memo: Path | None = None
+) -> InvarianceReport | None:
+    """Probe (or recall from ``memo``) split invariance and set ``assembler.invariant`` by the answer.
+
+    ``memo`` defaults to ``$KVBOOST_RAG_HOME/probes.json``.
+
+    ``namespace_of()`` names the model as the assembler now runs it (it is called in invariant
+    mode, so the name covers the invariant kernel). Returns None when ``schedule`` is
+    ``"canonical"`` (nothing probed); raises where ``"invariant"`` was asked for and fails.
+    """
+    if schedule == "canonical":
+        return None
+    with _invariant(assembler):
+        probe_namespace = namespace_of()
+    embeddings = cast(torch.Tensor, assembler.model.get_input_embeddings().weight)
+    vocab_size = int(embeddings.shape[0])
+    memo = memo if memo is not None else kvboost_home() / "probes.json"
+    report = remembered_invariance(assembler, vocab_size, probe_namespace, memo)
+    if not report.holds and schedule == "invariant":
+        msg = (
+            f"prefill_schedule='invariant', but this model, dtype and device fail the split-invariance "
+            f"probe ({report.detail}); use prefill_schedule='auto' to fall back to the canonical schedule"
+        )
+        raise UnsupportedModelError(msg)
+    if not report.holds:
+        logger.warning("split-invariance probe failed (%s); reuse is chunk-granular", report.detail)
+    assembler.invariant = report.holds
+    return report
+
+
+def schedule_note(report: InvarianceReport | None, invariant: bool, chunk_size: int) -> str | None:
+    """Why reuse is coarser than the split-invariant forward allows, or None when it is not."""
+    if invariant:
+        return None
+    why = "prefill_schedule='canonical'" if report is None else report.detail
+    return f"canonical chunk schedule ({why}): a stored prefix is reused in whole {chunk_size}-token chunks"
+
+
+def schedule_stats(report: InvarianceReport | None, invariant: bool, chunk_size: int) -> dict[str, Any]:
+    """``engine.stats()["reuse"]``: the prefill schedule, chunk size, probe result and note."""
+    return {
+        "schedule": "invariant" if invariant else "canonical",
+        "chunk_tokens": chunk_size,
+        "probe": None if report is None else report.detail,
+        "note": schedule_note(report, invariant, chunk_size),
+    }

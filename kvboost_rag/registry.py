@@ -16,8 +16,8 @@ stored document chunk, the prefix key it is stored under and the position it
 was computed at, so a document can be found wherever it appears.
 
 Processes that share only a remote tier (Redis), not a store directory, share
-the registry through it as well: pass the tier's records as ``shared`` (see
-:class:`SharedRecords`). Shared records are best effort: when the remote side
+the registry through it as well: pass the store's records (``store.shared_records()``)
+as ``shared`` (see :class:`SharedRecords`). Shared records are best effort: when the remote side
 is away, each process keeps what it has and learns the rest later.
 """
 
@@ -85,7 +85,8 @@ class DocumentRegistry:
             self._con.execute("PRAGMA journal_mode=WAL")
             self._con.execute("CREATE TABLE IF NOT EXISTS documents (text TEXT PRIMARY KEY)")
             self._con.execute(
-                "CREATE TABLE IF NOT EXISTS sources (content_key TEXT PRIMARY KEY, prefix_key TEXT, start INTEGER)"
+                "CREATE TABLE IF NOT EXISTS sources"
+                " (content_key TEXT PRIMARY KEY, prefix_key TEXT, start INTEGER)"
             )
             self._refresh()
 
@@ -103,7 +104,9 @@ class DocumentRegistry:
         if self._con is not None and new:
             with self._lock:
                 self._con.execute("BEGIN IMMEDIATE")
-                self._con.executemany("INSERT OR IGNORE INTO documents (text) VALUES (?)", [(t,) for t in new])
+                self._con.executemany(
+                    "INSERT OR IGNORE INTO documents (text) VALUES (?)", [(t,) for t in new]
+                )
                 self._con.execute("COMMIT")
             self._refresh()
         else:

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-ROTATE_HALF_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "granite", "olmo2"})
+ROTATE_HALF_FAMILIES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "granite", "olmo2"}
+)
 """Model types whose attention applies RoPE with ``rotate_half`` (pairs ``i`` and ``i + d/2``) to a
 leading slice of the head dimension, the layout :class:`RopeShifter` reproduces."""
 
@@ -45,12 +47,15 @@ def blend_blocker(model: Any) -> str | None:
         return f"this {model_type!r} model has no shared rotary embedding module; use reuse='exact'"
     params = getattr(text, "rope_parameters", None) or {"rope_type": "default"}
     if "rope_type" not in params:  # one set of parameters per layer type (e.g. local and global layers)
-        return "the model uses different RoPE settings per layer type, which blend reuse does not re-rotate; use reuse='exact'"
+        return (
+            "the model uses different RoPE settings per layer type, which blend reuse does not re-rotate; "
+            "use reuse='exact'"
+        )
     rope_type = params["rope_type"]
     if rope_type not in STATIC_ROPE_TYPES:
         return (
-            f"RoPE type {rope_type!r} changes its frequencies with the sequence length, so stored keys cannot be "
-            "moved to new positions exactly; use reuse='exact'"
+            f"RoPE type {rope_type!r} changes its frequencies with the sequence length, "
+            "so stored keys cannot be moved to new positions exactly; use reuse='exact'"
         )
     return None
 
@@ -76,7 +81,8 @@ class RopeShifter:
         )
 
     def can_move(self, old_end: int, new_end: int) -> bool:
-        """Whether keys computed in a forward ending at ``old_end`` can move to positions ending at ``new_end``."""
+        """Whether keys computed in a forward ending at ``old_end`` can move to positions ending at
+        ``new_end``."""
         return self.max_position is None or max(old_end, new_end) <= self.max_position
 
     def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

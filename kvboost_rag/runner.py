@@ -15,7 +15,7 @@ built so far, then stored. Two schedules keep this exact (DESIGN.md contract 2):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -23,10 +23,11 @@ import torch
 from transformers.cache_utils import Cache
 
 from .assembler import Assembler
+from .busy import prefill_in_progress
 from .keys import Chunk
-from .sampling import SamplingParams, select_token
+from .request import Request
+from .sampling import select_token
 from .store.base import Hit, KVStore, StoredChunk
-from .store.writer import prefill_in_progress
 
 ATTENTION_COST_SPAN = 2048
 """Positions after which a token's attention costs about as much as its MLP (for the eviction cost)."""
@@ -57,16 +58,88 @@ def recompute_cost(chunk: Chunk) -> float:
 
 
 class CacheFiller:
-    """Fills one cache along a prompt's chunks, counting what came from where."""
+    """Fills one cache along a prompt's chunks, counting what came from where.
+
+    ``on_computed(first, last)`` is called after chunks ``first..last`` were computed and stored.
+    """
 
     def __init__(
-        self, assembler: Assembler, token_ids: Sequence[int], chunks: Sequence[Chunk], cache: Cache,
-        store: KVStore | None, step_tokens: int | None,
+        self,
+        assembler: Assembler,
+        token_ids: Sequence[int],
+        chunks: Sequence[Chunk],
+        cache: Cache,
+        store: KVStore | None,
+        step_tokens: int | None,
+        on_computed: Callable[[int, int], None] | None = None,
     ) -> None:
         self.assembler, self.token_ids, self.chunks, self.cache = assembler, token_ids, chunks, cache
-        self.store, self.step_tokens = store, step_tokens
+        self.store, self.step_tokens, self.on_computed = store, step_tokens, on_computed
         self.cached: Counter[str] = Counter()
         self.recomputed = self.stored = 0
+
+    def fill(
+        self,
+        *,
+        need_logits: bool = True,
+        store_last_logits: bool = True,
+        until: Callable[[int], bool] | None = None,
+    ) -> tuple[torch.Tensor | None, int | None]:
+        """Lay each run of stored chunks, compute each run of missing ones; the last token's logits.
+
+        ``until(i)``, asked of each chunk that is not laid from the store, ends the walk before
+        chunk ``i`` when true; the second value is then ``i`` (else None).
+        """
+        chunks, store, assembler = self.chunks, self.store, self.assembler
+        last = len(chunks) - 1
+        logits: torch.Tensor | None = None
+        hits: list[Hit] = []  # stored chunks not laid yet
+        missing: int | None = None  # first chunk of a run not computed yet
+        stopped_at: int | None = None
+        for i, chunk in enumerate(chunks):
+            hit = store.get(chunk.key) if store is not None else None
+            final = i == last and need_logits
+            if hit is not None and (not final or hit.chunk.last_logits is not None):
+                if missing is not None:
+                    self.compute(missing, i - 1, logits=False, store_logits=False)
+                    missing = None
+                hits.append(hit)
+                logits = hit.chunk.last_logits
+                continue
+            if hits:
+                self.lay(hits)
+                hits = []
+            if hit is not None and assembler.invariant and missing is None:
+                logits = self.finish_stored(hit, store_last_logits)
+                continue
+            if until is not None and until(i):
+                stopped_at, last, need_logits = i, i - 1, False
+                break
+            if missing is None:
+                missing = i
+        if hits:
+            self.lay(hits)
+        if missing is not None:
+            logits = self.compute(
+                missing, last, logits=need_logits, store_logits=store_last_logits and need_logits
+            )
+        assert (
+            logits is not None or not need_logits
+        )  # chunks is never empty: the canonicalizer refuses empty prompts
+        return logits, stopped_at
+
+    def finish_stored(self, hit: Hit, store_logits: bool) -> torch.Tensor:
+        """Lay the prompt's stored last chunk, which kept no logits (it was stored as a prefix), and run
+        its last token again for them: in split-invariant mode that gives the bits of a cold prefill."""
+        chunk = self.chunks[-1]
+        self.lay([hit], chunk.num_tokens - 1)
+        logits = self.assembler.forward(self.cache, self.token_ids[chunk.end - 1 : chunk.end], chunk.end - 1)
+        assert logits is not None
+        self.recomputed += 1
+        if self.store is not None and store_logits:
+            entry = StoredChunk(hit.chunk.kv, logits.clone(), hit.chunk.token_ids, hit.chunk.parent_key)
+            self.store.put(chunk.key, entry, cost=recompute_cost(chunk))
+        return logits
 
     def lay(self, hits: Sequence[Hit], tokens: int | None = None) -> None:
         """Append stored chunks (of the last one only its first ``tokens`` when given)."""
@@ -93,13 +166,19 @@ class CacheFiller:
         if self.store is not None:
             for i in range(first, last + 1):
                 keep = out.clone() if store_logits and i == last and out is not None else None
-                self.put(i, self.assembler.extract(self.cache, self.chunks[i].start, self.chunks[i].end), keep)
+                self.put(
+                    i, self.assembler.extract(self.cache, self.chunks[i].start, self.chunks[i].end), keep
+                )
+        if self.on_computed is not None:
+            self.on_computed(first, last)
         return out
 
     def put(self, i: int, kv: torch.Tensor, logits: torch.Tensor | None) -> None:
         chunk = self.chunks[i]
         entry = StoredChunk(
-            kv, logits, token_ids=tuple(self.token_ids[chunk.start : chunk.end]),
+            kv,
+            logits,
+            token_ids=tuple(self.token_ids[chunk.start : chunk.end]),
             parent_key=self.chunks[i - 1].key if i else None,
         )
         assert self.store is not None
@@ -133,41 +212,8 @@ def prefill(
     """
     cache = assembler.new_cache(capacity, reusable=reusable)
     filler = CacheFiller(assembler, token_ids, chunks, cache, store, step_tokens)
-    last = len(chunks) - 1
-    logits: torch.Tensor | None = None
-    hits: list[Hit] = []  # stored chunks not laid yet
-    missing: int | None = None  # first chunk of a run not computed yet
     with holding_writes(assembler):
-        for i, chunk in enumerate(chunks):
-            hit = store.get(chunk.key) if store is not None else None
-            final = i == last and need_logits
-            if hit is not None and (not final or hit.chunk.last_logits is not None):
-                if missing is not None:
-                    filler.compute(missing, i - 1, logits=False, store_logits=False)
-                    missing = None
-                hits.append(hit)
-                logits = hit.chunk.last_logits
-                continue
-            if hits:
-                filler.lay(hits)
-                hits = []
-            if hit is not None and assembler.invariant and missing is None:
-                # The last chunk is stored, but not as a prompt's end: its logits come from
-                # running its last token again, which gives the bits of a cold prefill.
-                filler.lay([hit], chunk.num_tokens - 1)
-                logits = assembler.forward(cache, token_ids[chunk.end - 1 : chunk.end], chunk.end - 1)
-                filler.recomputed += 1
-                if store is not None and store_last_logits:
-                    store.put(chunk.key, StoredChunk(hit.chunk.kv, logits.clone(), hit.chunk.token_ids,
-                                                     hit.chunk.parent_key), cost=recompute_cost(chunk))
-                continue
-            if missing is None:
-                missing = i
-        if hits:
-            filler.lay(hits)
-        if missing is not None:
-            logits = filler.compute(missing, last, logits=need_logits, store_logits=store_last_logits and need_logits)
-    assert logits is not None or not need_logits  # chunks is never empty: the canonicalizer refuses empty prompts
+        logits, _ = filler.fill(need_logits=need_logits, store_last_logits=store_last_logits)
     return PrefillOutcome(cache, logits, filler.cached, filler.recomputed, filler.stored)
 
 
@@ -176,15 +222,16 @@ def decode(
     cache: Cache,
     first_logits: torch.Tensor,
     position: int,
-    params: SamplingParams,
+    request: Request,
     eos_ids: frozenset[int],
     max_new_tokens: int,
 ) -> Iterator[int]:
     """Yield sampled tokens until EOS (yielded too) or ``max_new_tokens``; the caller may stop early."""
-    generator = params.generator(first_logits.device)
-    logits = first_logits
+    generator = request.generator(first_logits.device)
+    logits: torch.Tensor | None = first_logits
     for step in range(max_new_tokens):
-        token = select_token(logits, params, generator)
+        assert logits is not None
+        token = select_token(logits, request, generator)
         yield token
         if token in eos_ids or step == max_new_tokens - 1:
             return

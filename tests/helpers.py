@@ -61,7 +61,9 @@ def sentencepiece_style_tokenizer():
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
     specials = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
-    tok.train_from_iterator([TRAINING_TEXT] * 20, trainer=trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    tok.train_from_iterator(
+        [TRAINING_TEXT] * 20, trainer=trainers.BpeTrainer(vocab_size=400, special_tokens=specials)
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.chat_template = CHATML
     return fast
@@ -96,7 +98,9 @@ def tiny_config(arch: str, **overrides):
     if arch == "llama":
         cfg = LlamaConfig(**common)
     elif arch == "llama-scaled-rope":
-        cfg = LlamaConfig(**common, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+        cfg = LlamaConfig(
+            **common, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+        )
     elif arch == "qwen2":
         cfg = Qwen2Config(**common)
     elif arch == "mistral":
@@ -107,7 +111,13 @@ def tiny_config(arch: str, **overrides):
         cfg = GemmaConfig(**common, head_dim=16)
     elif arch == "gpt2":
         cfg = GPT2Config(
-            vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=2048, eos_token_id=2, bos_token_id=3
+            vocab_size=TINY_VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=2048,
+            eos_token_id=2,
+            bos_token_id=3,
         )
     else:
         raise ValueError(arch)

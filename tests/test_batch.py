@@ -18,10 +18,15 @@ import torch
 from helpers import essay_paragraphs, tiny_model, tiny_tokenizer
 
 from kvboost_rag import EngineConfig, InvalidRequestError, KVBoostEngine, Request, Segment
-from kvboost_rag import engine as engine_module
+from kvboost_rag import generation as engine_module
 
 SHARED = Segment("A key-value cache stores attention keys and values for every token of the prompt. " * 3)
-QUESTIONS = ["Why?", "What does it store for each token?", "Name one", "Is it exact, and how would we know that?"]
+QUESTIONS = [
+    "Why?",
+    "What does it store for each token?",
+    "Name one",
+    "Is it exact, and how would we know that?",
+]
 
 
 def prompts() -> list[list[Segment]]:
@@ -65,7 +70,12 @@ def test_batched_steps_use_transposed_weights_only_inside_the_batch(transposed):
 def test_rows_with_different_prefixes_and_lengths_get_their_own_positions():
     engine = make_engine()
     other = Segment("Tokens are the unit of text a language model reads and writes, one id each. " * 2)
-    mixed = [[SHARED, Segment("Why?")], [other, Segment("How many ids?")], ["Short one."], [SHARED, other, "Both?"]]
+    mixed = [
+        [SHARED, Segment("Why?")],
+        [other, Segment("How many ids?")],
+        ["Short one."],
+        [SHARED, other, "Both?"],
+    ]
     lone = [engine.generate(p, max_new_tokens=10, return_logits=True) for p in mixed]
     batch = make_engine().generate_batch(mixed, max_new_tokens=10, return_logits=True)
     assert_matches_lone(batch, lone)
@@ -93,7 +103,8 @@ def test_rows_finish_independently_with_their_own_sampling_and_stops():
 def test_shared_prefix_is_computed_once_and_accounting_adds_up():
     engine = make_engine()
     batch = engine.generate_batch(prompts(), max_new_tokens=4)
-    shared = len(engine.canonicalize([SHARED], add_generation_prompt=False))  # its own chunks, the last one short
+    # its own chunks, the last one short
+    shared = len(engine.canonicalize([SHARED], add_generation_prompt=False))
     assert batch[0].usage.stored_tokens == shared  # the first row computes and stores it, the others read it
     assert [r.usage.cached_tokens for r in batch[1:]] == [shared] * 3
     for r in batch:
@@ -126,7 +137,9 @@ def test_a_prefix_every_row_shares_is_kept_once(monkeypatch):
 
 def test_a_bad_request_fails_alone():
     engine = make_engine()
-    results = engine.generate_batch([prompts()[0], "", prompts()[1]], max_new_tokens=4, return_exceptions=True)
+    results = engine.generate_batch(
+        [prompts()[0], "", prompts()[1]], max_new_tokens=4, return_exceptions=True
+    )
     assert isinstance(results[1], InvalidRequestError)
     assert results[0].token_ids == engine.generate(prompts()[0], max_new_tokens=4).token_ids
     with pytest.raises(InvalidRequestError, match="empty"):
@@ -210,10 +223,19 @@ def test_max_batch_size_one_runs_every_request_alone(monkeypatch):
 def test_smollm2_rag_batch_matches_lone_greedy_answers(smollm2):
     model, tokenizer = smollm2
     docs = essay_paragraphs(3, max_chars=700)
-    questions = ["What is the main point?", "Who is the author addressing?", "Give one example from the text."]
+    questions = [
+        "What is the main point?",
+        "Who is the author addressing?",
+        "Give one example from the text.",
+    ]
     messages = [
-        [{"role": "system", "content": "Answer from the context."},
-         {"role": "user", "content": [*({"type": "text", "text": d} for d in docs), {"type": "text", "text": q}]}]
+        [
+            {"role": "system", "content": "Answer from the context."},
+            {
+                "role": "user",
+                "content": [*({"type": "text", "text": d} for d in docs), {"type": "text", "text": q}],
+            },
+        ]
         for q in questions
     ]
     lone_engine = KVBoostEngine(model, tokenizer, config=EngineConfig(max_batch_size=1))

@@ -1,4 +1,5 @@
-"""Blend reuse: opt-in only, honest counts, exact machinery at full recompute, refused where it cannot be exact."""
+"""Blend reuse: opt-in only, honest counts, exact machinery at full recompute,
+refused where it cannot be exact."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import pytest
 import torch
 from helpers import tiny_model, tiny_tokenizer
 
-from kvboost_rag import EngineConfig, InvalidRequestError, KVBoostEngine, Request, Segment, UnsupportedModelError
+from kvboost_rag import (
+    EngineConfig,
+    InvalidRequestError,
+    KVBoostEngine,
+    Request,
+    Segment,
+    UnsupportedModelError,
+)
 from kvboost_rag.blend import BlendSettings, blend_prefill
 
 DOCS = [f"Document {i}: the quick brown fox jumps over the lazy dog {i * 7}. " * 3 for i in range(4)]
@@ -41,7 +49,9 @@ def test_blend_counts_add_up_and_are_labelled():
     engine = warmed(blend_recompute_ratio=0.2, blend_boundary_tokens=4)
     r = engine.generate(prompt([2, 0, 3]), max_new_tokens=4, reuse="blend")
     u = r.usage
-    assert u.cached_tokens == len(engine.canonicalize([Segment(PREFIX), Segment(DOCS[2], "document")], add_generation_prompt=False))
+    assert u.cached_tokens == len(
+        engine.canonicalize([Segment(PREFIX), Segment(DOCS[2], "document")], add_generation_prompt=False)
+    )
     assert u.cached_tokens + u.approx_tokens + u.recomputed_tokens == u.prompt_tokens
     reused = sum(len(engine.canonicalizer.tokenize(DOCS[i])) for i in (0, 3))  # moved to new positions
     recomputed_in_docs = 2 * 4 + math.ceil(0.2 * reused)  # boundary tokens + the selected ones
@@ -79,11 +89,18 @@ def test_reused_documents_sit_at_their_new_positions():
     """Layer 0 KV depends on each token and its position only, so it must match a full prefill there."""
     engine = warmed(blend_recompute_ratio=0.0, blend_boundary_tokens=0)
     canonical = engine.canonicalize(prompt([3, 1, 2]))
-    chunks = engine._chunks(canonical)
+    chunks = engine.core.chunks(canonical)
     settings = BlendSettings(0.0, 0, 1)
     out = blend_prefill(
-        engine.assembler, engine._blend_shifter(), canonical, chunks, store=engine.store, registry=engine.registry,
-        namespace=engine.namespace, settings=settings, capacity=len(canonical) + 4,
+        engine.assembler,
+        engine.core.blend_shifter(),
+        canonical,
+        chunks,
+        store=engine.store,
+        registry=engine.registry,
+        namespace=engine.namespace,
+        settings=settings,
+        capacity=len(canonical) + 4,
     )
     assert out.approx_tokens == sum(len(engine.canonicalizer.tokenize(DOCS[i])) for i in (1, 2))
     full = engine.assembler.new_cache(len(canonical))
@@ -93,7 +110,9 @@ def test_reused_documents_sit_at_their_new_positions():
     blended = engine.assembler.extract(out.cache, 0, n)[0]
     exact = engine.assembler.extract(full, 0, n)[0]
     torch.testing.assert_close(blended, exact, atol=1e-4, rtol=0)
-    assert not torch.allclose(engine.assembler.extract(out.cache, 0, n)[1], engine.assembler.extract(full, 0, n)[1], atol=1e-4)
+    assert not torch.allclose(
+        engine.assembler.extract(out.cache, 0, n)[1], engine.assembler.extract(full, 0, n)[1], atol=1e-4
+    )
 
 
 def test_blend_finds_documents_pre_warmed_by_another_process(tmp_path):
@@ -108,7 +127,9 @@ def test_blend_finds_documents_pre_warmed_by_another_process(tmp_path):
 
 def test_blend_requests_in_a_batch_run_alone_and_report():
     engine = warmed()
-    results = engine.generate_batch([Request(prompt([1, 2]), max_new_tokens=3, reuse="blend"), Request(prompt([0, 1]), max_new_tokens=3)])
+    results = engine.generate_batch(
+        [Request(prompt([1, 2]), max_new_tokens=3, reuse="blend"), Request(prompt([0, 1]), max_new_tokens=3)]
+    )
     assert results[0].usage.approx_tokens > 0
     assert results[1].usage.approx_tokens == 0
 
@@ -119,11 +140,15 @@ def test_unsupported_models_are_refused_at_configuration_time():
     exact = KVBoostEngine(tiny_model("gpt2"), tiny_tokenizer())
     with pytest.raises(UnsupportedModelError, match="use reuse='exact'"):
         exact.generate("Hello there", reuse="blend")
-    dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    dynamic = tiny_model(
+        "llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    )
     with pytest.raises(UnsupportedModelError, match="changes its frequencies"):
         KVBoostEngine(dynamic, tiny_tokenizer(), config=EngineConfig(reuse="blend"))
     with pytest.raises(ValueError, match="blend_select_layer=5, but the model has 2 layers"):
-        KVBoostEngine(tiny_model("llama"), tiny_tokenizer(), config=EngineConfig(reuse="blend", blend_select_layer=5))
+        KVBoostEngine(
+            tiny_model("llama"), tiny_tokenizer(), config=EngineConfig(reuse="blend", blend_select_layer=5)
+        )
 
 
 def test_recompute_ratio_per_request_and_bad_values():

@@ -10,7 +10,9 @@ from kvboost_rag import block_attention
 from kvboost_rag.block_attention import KEY_BLOCK, block_causal_attention, queries_at, round_up
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
-pytestmark = pytest.mark.skipif(not block_attention.available(torch.device("cpu")), reason="needs the CPU flash kernel")
+pytestmark = pytest.mark.skipif(
+    not block_attention.available(torch.device("cpu")), reason="needs the CPU flash kernel"
+)
 
 
 def keys_and_values(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,7 +59,10 @@ def test_runs_only_inside_queries_at():
 
 def test_refuses_what_it_cannot_compute():
     q, k, v = keys_and_values(8, torch.float32)
-    with queries_at(0, 8, HEADS // KV_HEADS, q.dtype, q.device), pytest.raises(NotImplementedError, match="soft"):
+    with (
+        queries_at(0, 8, HEADS // KV_HEADS, q.dtype, q.device),
+        pytest.raises(NotImplementedError, match="soft"),
+    ):
         block_causal_attention(torch.nn.Module(), q, k, v, None, softcap=30.0)
 
 

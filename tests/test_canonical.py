@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from itertools import pairwise
 
 import pytest
 from helpers import CHATML, tiny_tokenizer
@@ -77,9 +78,9 @@ def test_segment_spans_cover_the_token_ids(canon):
     p = canon.canonicalize(["alpha beta", "gamma", "delta epsilon"])
     spans = p.segment_spans
     assert spans[0][0] == 0 and spans[-1][1] == len(p)
-    for (s0, e0), (s1, _) in zip(spans, spans[1:]):
+    for (_, e0), (s1, _) in pairwise(spans):
         assert e0 == s1
-    for (start, end), ids in zip(spans, p.segment_token_ids):
+    for (start, end), ids in zip(spans, p.segment_token_ids, strict=True):
         assert tuple(p.token_ids[start:end]) == ids
 
 
@@ -150,8 +151,8 @@ def test_message_ids_do_not_depend_on_neighbours(canon):
     a = canon.canonicalize([{"role": "system", "content": "Short."}, {"role": "user", "content": content}])
     longer = "A much longer system prompt, quite different."
     b = canon.canonicalize([{"role": "system", "content": longer}, {"role": "user", "content": content}])
-    ids_a = [ids for s, ids in zip(a.segments, a.segment_token_ids) if s.text == content]
-    ids_b = [ids for s, ids in zip(b.segments, b.segment_token_ids) if s.text == content]
+    ids_a = [ids for s, ids in zip(a.segments, a.segment_token_ids, strict=True) if s.text == content]
+    ids_b = [ids for s, ids in zip(b.segments, b.segment_token_ids, strict=True) if s.text == content]
     assert ids_a == ids_b == [canon.tokenize(content)]
 
 
@@ -201,7 +202,7 @@ def test_chat_template_text_and_messages_alternate(canon):
         "<|im_end|>\n<|im_start|>user\n",
     ]
     # template text is tokenized on its own too
-    for s, ids in zip(p.segments, p.segment_token_ids):
+    for s, ids in zip(p.segments, p.segment_token_ids, strict=True):
         assert ids == canon.tokenize(s.text)
 
 
@@ -319,7 +320,11 @@ def test_bos_with_chat_messages_and_template_emitting_bos():
 
 def test_text_is_cut_before_paragraph_breaks(canon):
     p = canon.canonicalize("Context:\n\nFirst passage.\n\n\nSecond passage.\nSame paragraph.")
-    assert [s.text for s in p.segments] == ["Context:", "\n\nFirst passage.", "\n\n\nSecond passage.\nSame paragraph."]
+    assert [s.text for s in p.segments] == [
+        "Context:",
+        "\n\nFirst passage.",
+        "\n\n\nSecond passage.\nSame paragraph.",
+    ]
     assert canon.decode(p.token_ids) == p.text
 
 

@@ -18,7 +18,9 @@ def reference(q, k, v, scale=None):
     mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=scale
+    ).transpose(1, 2)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 1)])
@@ -68,8 +70,12 @@ def test_shared_prefix_attention_equals_attention_over_each_rows_full_keys(heads
     module.layer_idx = 0
     with shared_prefix([(shared_k, shared_v)]):
         out, _ = shared_prefix_attention(module, query, key, value, mask)
-    full_k = torch.cat([shared_k.expand(rows, -1, -1, -1), key], dim=2).repeat_interleave(heads // kv_heads, dim=1)
-    full_v = torch.cat([shared_v.expand(rows, -1, -1, -1), value], dim=2).repeat_interleave(heads // kv_heads, dim=1)
+    full_k = torch.cat([shared_k.expand(rows, -1, -1, -1), key], dim=2).repeat_interleave(
+        heads // kv_heads, dim=1
+    )
+    full_v = torch.cat([shared_v.expand(rows, -1, -1, -1), value], dim=2).repeat_interleave(
+        heads // kv_heads, dim=1
+    )
     full_mask = torch.cat([torch.ones(rows, 1, q_len, prefix, dtype=torch.bool), mask], dim=3)
     expected = F.scaled_dot_product_attention(query, full_k, full_v, attn_mask=full_mask).transpose(1, 2)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -170,8 +170,16 @@ def test_hybrid_gemma3_is_served_beyond_the_window():
 
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(
-        vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=32, max_position_embeddings=512, eos_token_id=2,
+        vocab_size=400,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=32,
+        max_position_embeddings=512,
+        eos_token_id=2,
         layer_types=["sliding_attention", "full_attention"],
     )
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
@@ -189,7 +197,9 @@ def test_a_stream_left_half_way_does_not_block_other_requests(engine):
     stream = engine.stream(PROMPT, max_new_tokens=20)
     next(stream)  # the generator stays alive, paused in its decode loop
     done: list[int] = []
-    worker = threading.Thread(target=lambda: done.append(engine.generate(PROMPT, max_new_tokens=3).usage.prompt_tokens))
+    worker = threading.Thread(
+        target=lambda: done.append(engine.generate(PROMPT, max_new_tokens=3).usage.prompt_tokens)
+    )
     worker.start()
     worker.join(timeout=60)
     assert done, "a paused stream kept the engine locked"

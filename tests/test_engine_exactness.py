@@ -69,7 +69,7 @@ def test_holes_in_the_middle_are_recomputed_exactly(arch, schedule):
     model, tok = tiny_model(arch), tiny_tokenizer()
     engine = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=16, prefill_schedule=schedule))
     cold = run(engine, prompt())
-    chunks = engine._chunks(engine.canonicalize(prompt()))
+    chunks = engine.core.chunks(engine.canonicalize(prompt()))
     engine.store.remove(chunks[2].key)
     holed = run(engine, prompt())
     assert holed.usage.recomputed_tokens == chunks[2].num_tokens
@@ -81,7 +81,10 @@ def test_new_question_after_shared_documents_reuses_them():
     engine = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=16))
     run(engine, prompt())
     other = run(engine, prompt(question="What does a key-value cache store?"))
-    fresh = run(KVBoostEngine(model, tok, config=EngineConfig(chunk_size=16)), prompt(question="What does a key-value cache store?"))
+    fresh = run(
+        KVBoostEngine(model, tok, config=EngineConfig(chunk_size=16)),
+        prompt(question="What does a key-value cache store?"),
+    )
     assert other.usage.cached_tokens >= sum(len(tok.encode(t)) for t in [SYSTEM, *DOCS]) - 16
     same(fresh, other)
 
@@ -100,7 +103,10 @@ def test_chat_messages_reuse_history_across_turns():
     engine = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=16))
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": DOCS[0] + QUESTION}]
     first = engine.generate(history, max_new_tokens=8)
-    history += [{"role": "assistant", "content": first.text or "ok"}, {"role": "user", "content": "And then?"}]
+    history += [
+        {"role": "assistant", "content": first.text or "ok"},
+        {"role": "user", "content": "And then?"},
+    ]
     second = engine.generate(history, max_new_tokens=8, return_logits=True)
     assert second.usage.cached_tokens > 0
     ref = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=16, reuse="off"))
@@ -118,7 +124,7 @@ def test_last_chunk_without_logits_is_recomputed(schedule):
     shorter_prompt = prompt()[:-1]
     cold = run(KVBoostEngine(model, tok, config=cfg), shorter_prompt)
     warm = run(engine, shorter_prompt)
-    chunks = engine._chunks(engine.canonicalize(shorter_prompt))
+    chunks = engine.core.chunks(engine.canonicalize(shorter_prompt))
     assert warm.usage.recomputed_tokens == (1 if schedule == "invariant" else chunks[-1].num_tokens)
     assert longer.usage.prompt_tokens > warm.usage.prompt_tokens
     same(cold, warm)

@@ -13,8 +13,13 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
-                          timeout=600, check=False)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -29,7 +34,9 @@ def test_langchain_rag_example_reads_prewarmed_documents():
     pytest.importorskip("langchain_core")
     out = run("langchain_rag.py", "--documents", "6", "--max-tokens", "12")
     assert "pre-warmed 6 documents" in out
-    reads = [int(line.split("cache_read ")[1].split()[0]) for line in out.splitlines() if "cache_read" in line]
+    reads = [
+        int(line.split("cache_read ")[1].split()[0]) for line in out.splitlines() if "cache_read" in line
+    ]
     assert len(reads) == 2 and all(r > 0 for r in reads)
 
 
@@ -37,7 +44,9 @@ def test_langchain_agent_example_reuses_earlier_steps():
     pytest.importorskip("langchain")
     out = run("langchain_agent.py")
     steps = [line for line in out.splitlines() if line.startswith("step ")]
-    reads = [int(line.split("cache_read ")[1].split()[0]) for line in out.splitlines() if "cache_read" in line]
+    reads = [
+        int(line.split("cache_read ")[1].split()[0]) for line in out.splitlines() if "cache_read" in line
+    ]
     assert len(steps) >= 2 and "add(" in steps[0]
     assert all(r > 0 for r in reads[1:])
 
@@ -46,6 +55,10 @@ def test_llamaindex_example_reads_prewarmed_nodes_with_unchanged_answers():
     pytest.importorskip("llama_index.core")
     out = run("llamaindex_query_engine.py", "--documents", "6", "--max-new-tokens", "12")
     assert "indexed and pre-warmed" in out
-    reads = [int(line.split("cached_tokens ")[1].split()[0]) for line in out.splitlines() if "cached_tokens" in line]
+    reads = [
+        int(line.split("cached_tokens ")[1].split()[0])
+        for line in out.splitlines()
+        if "cached_tokens" in line
+    ]
     assert len(reads) == 2 and all(r > 0 for r in reads)
     assert out.count("same answer uncached: True") == 2

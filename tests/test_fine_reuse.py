@@ -12,8 +12,7 @@ import pytest
 import torch
 from helpers import essay_paragraphs, tiny_model, tiny_tokenizer
 
-from kvboost_rag import EngineConfig, KVBoostEngine, Segment, UnsupportedModelError
-from kvboost_rag import invariance
+from kvboost_rag import EngineConfig, KVBoostEngine, Segment, UnsupportedModelError, invariance
 from kvboost_rag.invariance import InvarianceReport
 
 CHUNK = 16  # small chunks: many chunk boundaries inside short test prompts
@@ -67,7 +66,10 @@ def test_every_share_of_hits_and_every_tier_gives_the_same_bits(arch, dtype, tmp
     ]
     reference = first(engine_for(model, tok, reuse="off"), messages)
     partial_prompts = [
-        [{"role": "system", "content": "Answer from the document."}, {"role": "user", "content": doc[: len(doc) // 2]}],
+        [
+            {"role": "system", "content": "Answer from the document."},
+            {"role": "user", "content": doc[: len(doc) // 2]},
+        ],
         [{"role": "system", "content": "Answer from the document."}],
         "<|im_start|>system\nAnswer from the doc",
     ]
@@ -97,7 +99,8 @@ def test_a_stored_chunk_without_logits_costs_one_token():
     shorter = first(engine, ["A system prompt that is shared. " * 3])
     assert shorter.usage.recomputed_tokens == 1 and longer.usage.prompt_tokens > shorter.usage.prompt_tokens
     assert_bitwise(shorter, first(engine_for(model, tok), ["A system prompt that is shared. " * 3]))
-    assert first(engine, ["A system prompt that is shared. " * 3]).usage.recomputed_tokens == 0  # logits kept now
+    # logits kept now
+    assert first(engine, ["A system prompt that is shared. " * 3]).usage.recomputed_tokens == 0
 
 
 def test_prewarming_never_changes_the_answer_and_serves_most_of_the_prompt(tmp_path):
@@ -117,16 +120,19 @@ def test_prewarming_never_changes_the_answer_and_serves_most_of_the_prompt(tmp_p
     # A fresh process reads the same prompt from the disk tier.
     script = textwrap.dedent(f"""
         import json, sys
-        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
         from helpers import tiny_model, tiny_tokenizer
         from kvboost_rag import EngineConfig, KVBoostEngine
         engine = KVBoostEngine(tiny_model("llama"), tiny_tokenizer(), config=EngineConfig(chunk_size={CHUNK}),
                                store_dir={str(tmp_path)!r})
         r = engine.generate({prompt!r}, max_new_tokens=6, return_logits=True)
-        print(json.dumps({{"disk": r.usage.cached_tokens_by_tier.get("disk", 0), "prompt": r.usage.prompt_tokens,
+        print(json.dumps({{"disk": r.usage.cached_tokens_by_tier.get("disk", 0),
+                          "prompt": r.usage.prompt_tokens,
                           "tokens": r.token_ids, "logits": r.first_logits.tolist()}}))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["disk"] >= 0.9 * out["prompt"]
@@ -169,7 +175,9 @@ def test_probe_passes_for_the_tiny_models_and_is_remembered(tmp_path, monkeypatc
     memo = tmp_path / "probes.json"
     calls = []
     real = invariance.check_split_invariance
-    monkeypatch.setattr(invariance, "check_split_invariance", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        invariance, "check_split_invariance", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     first_report = invariance.remembered_invariance(engine.assembler, 400, "ns", memo)
     again = invariance.remembered_invariance(engine.assembler, 400, "ns", memo)
     assert first_report.holds and again == first_report and len(calls) == 1
@@ -195,7 +203,7 @@ def test_probe_catches_a_forward_that_depends_on_the_split(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_failed_probe_falls_back_to_the_canonical_schedule_and_says_so(monkeypatch, dtype):
     failed = InvarianceReport(False, "a forward split at [3] differs from one forward")
-    monkeypatch.setattr("kvboost_rag.engine.remembered_invariance", lambda *a, **k: failed)
+    monkeypatch.setattr("kvboost_rag.invariance.remembered_invariance", lambda *a, **k: failed)
     model, tok = tiny_model("llama", dtype), tiny_tokenizer()
     engine = KVBoostEngine(model, tok)
     reuse = engine.stats()["reuse"]

@@ -34,7 +34,10 @@ def test_another_dtype_misses():
 
 def test_another_model_misses():
     store = MemoryStore(1 << 30)
-    assert shared_store_hits(engine(tiny_model("llama"), store=store), engine(tiny_model("qwen2"), store=store)) == 0
+    assert (
+        shared_store_hits(engine(tiny_model("llama"), store=store), engine(tiny_model("qwen2"), store=store))
+        == 0
+    )
 
 
 def test_changed_weights_miss():

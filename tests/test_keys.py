@@ -132,7 +132,7 @@ def test_any_earlier_token_changes_every_later_key(position):
     b = keys(prompt(("text", changed)))
     first = position // 4
     assert a[:first] == b[:first]  # chunks before the change keep their keys
-    assert all(x != y for x, y in zip(a[first:], b[first:]))
+    assert all(x != y for x, y in zip(a[first:], b[first:], strict=True))
 
 
 def test_same_tokens_at_another_position_have_other_keys():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import essay_paragraphs, tiny_model, tiny_tokenizer
 
-from kvboost_rag import EngineConfig, KVBoostEngine
+from kvboost_rag import KVBoostEngine
 
 PREFIX = "Answer from the documents below.\n\n"
 QUESTION = "\n\nQuestion: what is this about?"
@@ -41,8 +41,19 @@ def test_prewarm_in_one_process_then_documents_come_from_disk_in_another(model_d
     for i, d in enumerate(docs):
         (folder / f"{i}.txt").write_text(d)
     store = tmp_path / "store"
-    done = cli("prewarm", str(folder), "--model", str(model_dir), "--dtype", "float32", "--store", str(store),
-               "--prefix", PREFIX, "--quiet")
+    done = cli(
+        "prewarm",
+        str(folder),
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--store",
+        str(store),
+        "--prefix",
+        PREFIX,
+        "--quiet",
+    )
     assert done.returncode == 0, done.stderr
     assert "prewarmed 3 documents (0 already stored)" in done.stdout
 
@@ -52,17 +63,47 @@ def test_prewarm_in_one_process_then_documents_come_from_disk_in_another(model_d
         doc_tokens = len(engine.canonicalize(PREFIX + docs[1]))
         chunk = engine.chunk_size
     # prefix and document, to within the chunk where the document ends: everything but the question
-    assert doc_tokens - chunk <= r.usage.cached_tokens_by_tier.get("disk", 0) == r.usage.cached_tokens <= doc_tokens
+    assert (
+        doc_tokens - chunk
+        <= r.usage.cached_tokens_by_tier.get("disk", 0)
+        == r.usage.cached_tokens
+        <= doc_tokens
+    )
     ref = cold_reference(model_dir, prompt)  # pre-warming changed nothing in the prompt's tokens
     assert torch.equal(r.first_logits, ref.first_logits) and r.token_ids == ref.token_ids
 
-    again = cli("prewarm", str(folder), "--model", str(model_dir), "--dtype", "float32", "--store", str(store),
-                "--prefix", PREFIX, "--quiet")
+    again = cli(
+        "prewarm",
+        str(folder),
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--store",
+        str(store),
+        "--prefix",
+        PREFIX,
+        "--quiet",
+    )
     assert "(3 already stored)" in again.stdout, "a second run resumes by skipping stored documents"
 
     # Blend mode in a third process finds the later documents away from where they were pre-warmed.
-    blended = cli("generate", "--raw", PREFIX + docs[2] + "\n\n" + docs[0] + QUESTION, "--model", str(model_dir),
-                  "--dtype", "float32", "--store", str(store), "--reuse", "blend", "--max-new-tokens", "4", "--json")
+    blended = cli(
+        "generate",
+        "--raw",
+        PREFIX + docs[2] + "\n\n" + docs[0] + QUESTION,
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--store",
+        str(store),
+        "--reuse",
+        "blend",
+        "--max-new-tokens",
+        "4",
+        "--json",
+    )
     assert blended.returncode == 0, blended.stderr
     usage = json.loads(blended.stdout)["usage"]
     assert usage["cached_tokens"] > 0 and usage["approx_tokens"] > 0
@@ -71,8 +112,20 @@ def test_prewarm_in_one_process_then_documents_come_from_disk_in_another(model_d
 def test_full_prompt_from_disk_in_a_fresh_process_is_bitwise_identical(model_dir, tmp_path):
     store = tmp_path / "store"
     prompt = PREFIX + essay_paragraphs(1)[0] + QUESTION
-    first = cli("generate", "--raw", prompt, "--model", str(model_dir), "--dtype", "float32",
-                "--store", str(store), "--max-new-tokens", "8", "--json")
+    first = cli(
+        "generate",
+        "--raw",
+        prompt,
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--store",
+        str(store),
+        "--max-new-tokens",
+        "8",
+        "--json",
+    )
     assert first.returncode == 0, first.stderr
     written = json.loads(first.stdout)
     assert written["usage"]["stored_tokens"] == written["usage"]["prompt_tokens"]
@@ -99,8 +152,9 @@ def test_cli_stats_verify_gc_clear(model_dir, tmp_path, capsys):
     store = str(tmp_path / "store")
     model = ("--model", str(model_dir))
     prompt = PREFIX + "\n\n".join(essay_paragraphs(2, max_chars=700)) + QUESTION
-    assert run_main(capsys, "generate", "--raw", prompt, *model, "--dtype", "float32", "--store", store,
-                    "--max-new-tokens", "2", "--json", "--chunk-size", "128")[0] == 0  # several chunks
+    generate = ["generate", "--raw", prompt, *model, "--dtype", "float32", "--store", store]
+    # --chunk-size 128: the prompt spans several chunks
+    assert run_main(capsys, *generate, "--max-new-tokens", "2", "--json", "--chunk-size", "128")[0] == 0
     stats = json.loads(run_main(capsys, "stats", "--store", store, "--json")[1])
     assert stats["entries"] > 0 and stats["bytes"] > 0 and len(stats["namespaces"]) == 1
 
@@ -108,8 +162,23 @@ def test_cli_stats_verify_gc_clear(model_dir, tmp_path, capsys):
     assert code == 0 and "recomputed 2 entries: 0 differ bitwise" in out
 
     # entries of another dtype are another namespace; gc for float32 drops them
-    assert run_main(capsys, "generate", "--raw", prompt, *model, "--dtype", "bfloat16", "--store", store,
-                    "--max-new-tokens", "1", "--json")[0] == 0
+    assert (
+        run_main(
+            capsys,
+            "generate",
+            "--raw",
+            prompt,
+            *model,
+            "--dtype",
+            "bfloat16",
+            "--store",
+            store,
+            "--max-new-tokens",
+            "1",
+            "--json",
+        )[0]
+        == 0
+    )
     assert len(json.loads(run_main(capsys, "stats", "--store", store, "--json")[1])["namespaces"]) == 2
     code, out, _ = run_main(capsys, "gc", "--store", store, *model, "--dtype", "float32")
     assert code == 0 and "dropped" in out
@@ -130,5 +199,7 @@ def test_cli_stats_verify_gc_clear(model_dir, tmp_path, capsys):
 def test_cli_errors_have_exit_codes(tmp_path, capsys):
     assert run_main(capsys, "generate", "hi", "--model", str(tmp_path / "nope"))[0] == 3
     assert run_main(capsys, "stats", "--store", str(tmp_path / "missing"))[0] == 4
-    code, _, err = run_main(capsys, "prewarm", str(tmp_path / "nothing-*.txt"), "--store", str(tmp_path / "s"))
+    code, _, err = run_main(
+        capsys, "prewarm", str(tmp_path / "nothing-*.txt"), "--store", str(tmp_path / "s")
+    )
     assert code == 2 and "not a folder" in err

@@ -74,7 +74,9 @@ def test_smollm2_greedy_equals_hf_generate_on_real_prompts(smol_fp32):
         engine.flush()  # the reply is stored in the background: let it finish before using the model directly
         ids = torch.tensor([engine.canonicalize(messages).token_ids])
         with torch.inference_mode():
-            hf = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+            hf = model.generate(
+                ids, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]
+            )
         assert ours.token_ids == hf[0, ids.shape[1] :].tolist(), f"prompt {i}"
 
 
@@ -93,7 +95,11 @@ def qwen_tokenizer():
 
 @pytest.mark.parametrize("which", ["smollm2", "qwen2.5"])
 def test_real_tokenizers_keep_boundaries_stable_and_round_trip(which, request):
-    tok = request.getfixturevalue("smol_fp32")[1] if which == "smollm2" else request.getfixturevalue("qwen_tokenizer")
+    tok = (
+        request.getfixturevalue("smol_fp32")[1]
+        if which == "smollm2"
+        else request.getfixturevalue("qwen_tokenizer")
+    )
     canon = Canonicalizer(tok)
     docs = essay_paragraphs(6)
     ns = make_namespace(model="m")
@@ -110,9 +116,17 @@ def test_real_tokenizers_keep_boundaries_stable_and_round_trip(which, request):
     c = canon.canonicalize(messages)
     assert canon.decode(c.token_ids) == c.text
     assert c.text == tok.apply_chat_template(
-        [{**m, "content": m["content"] if isinstance(m["content"], str) else "".join(b["text"] for b in m["content"])}
-         for m in messages],
-        tokenize=False, add_generation_prompt=True,
+        [
+            {
+                **m,
+                "content": m["content"]
+                if isinstance(m["content"], str)
+                else "".join(b["text"] for b in m["content"]),
+            }
+            for m in messages
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
     ).replace("\r\n", "\n")
 
 
@@ -124,8 +138,12 @@ def test_smollm2_flat_prompts_reuse_a_shared_prefix_to_within_64_tokens(smol_fp3
     text = " ".join(essay_paragraphs(30, max_chars=3000))
     shared = tok.decode(tok.encode(text, add_special_tokens=False)[:prefix_tokens])[:-2]
     engine = KVBoostEngine(model, tok)
-    assert engine.stats()["reuse"] == {"schedule": "invariant", "chunk_tokens": 64,
-                                       "probe": engine.invariance.detail, "note": None}
+    assert engine.stats()["reuse"] == {
+        "schedule": "invariant",
+        "chunk_tokens": 64,
+        "probe": engine.invariance.detail,
+        "note": None,
+    }
     engine.generate(shared + " What is the main point?", max_new_tokens=1)
     prompt = shared + " Which example stands out?"
     warm = engine.generate(prompt, max_new_tokens=4, return_logits=True)

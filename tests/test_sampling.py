@@ -1,14 +1,11 @@
-"""Sampling parameters (validation, contract 8) and next-token selection."""
+"""Next-token selection under a request's sampling settings."""
 
 from __future__ import annotations
 
-import math
-
-import pytest
 import torch
 
-from kvboost_rag.errors import InvalidRequestError
-from kvboost_rag.sampling import SamplingParams, select_token
+from kvboost_rag.request import Request
+from kvboost_rag.sampling import select_token
 
 CPU = torch.device("cpu")
 
@@ -22,61 +19,11 @@ def samples(params, scores, n=40):
     return [select_token(scores, params, gen) for _ in range(n)]
 
 
-# -- validation --------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "fix"),
-    [
-        ({"max_new_tokens": 0}, "at least one token"),
-        ({"max_new_tokens": -5}, "at least one token"),
-        ({"max_new_tokens": 2.5}, "at least one token"),
-        ({"temperature": -0.1}, "use 0 for greedy"),
-        ({"top_p": 0.0}, "use 1.0 to disable"),
-        ({"top_p": 1.5}, "use 1.0 to disable"),
-        ({"top_p": -0.2}, "use 1.0 to disable"),
-        ({"top_k": -1}, "use 0 to disable"),
-        ({"stop": ("",)}, "non-empty"),
-        ({"stop": ("ok", "")}, "non-empty"),
-        ({"stop": ("ok", 3)}, "non-empty strings"),
-    ],
-)
-def test_invalid_params_raise_with_the_fix(kwargs, fix):
-    with pytest.raises(InvalidRequestError) as info:
-        SamplingParams(**kwargs)
-    message = str(info.value)
-    assert fix in message
-    name = next(iter(kwargs))
-    assert name.rstrip("s") in message  # names the problem too
-    assert isinstance(info.value, ValueError)
-
-
-def test_valid_params_are_accepted():
-    p = SamplingParams(max_new_tokens=1, temperature=0.7, top_p=1.0, top_k=0, seed=3, stop=("x", "END"))
-    assert p.stop == ("x", "END")
-    SamplingParams(top_p=1e-9, top_k=1)
-
-
-def test_nan_temperature_is_rejected():
-    with pytest.raises(InvalidRequestError):
-        SamplingParams(temperature=math.nan)
-
-
-def test_normalize_stop():
-    assert SamplingParams.normalize_stop(None) == ()
-    assert SamplingParams.normalize_stop("END") == ("END",)
-    assert SamplingParams.normalize_stop(["a", "b"]) == ("a", "b")
-    assert SamplingParams.normalize_stop(("a",)) == ("a",)
-    assert SamplingParams.normalize_stop([]) == ()
-    # a normalized stop is accepted as is
-    assert SamplingParams(stop=SamplingParams.normalize_stop("END")).stop == ("END",)
-
-
 # -- selection ---------------------------------------------------------------
 
 
 def test_greedy_is_argmax_and_needs_no_generator():
-    params = SamplingParams(temperature=0.0)
+    params = Request("p", temperature=0.0)
     assert params.generator(CPU) is None
     for seed in range(10):
         scores = logits(seed)
@@ -85,18 +32,18 @@ def test_greedy_is_argmax_and_needs_no_generator():
 
 def test_greedy_picks_a_known_token():
     scores = torch.tensor([0.1, 5.0, -2.0, 4.9])
-    assert select_token(scores, SamplingParams(), None) == 1
+    assert select_token(scores, Request("p"), None) == 1
 
 
 def test_top_k_one_is_argmax():
-    params = SamplingParams(temperature=1.0, top_k=1, seed=0)
+    params = Request("p", temperature=1.0, top_k=1, seed=0)
     scores = torch.zeros(50)
     scores[17] = 0.5  # barely ahead: plain sampling would often pick another token
     assert set(samples(params, scores, 100)) == {17}
 
 
 def test_tiny_top_p_is_argmax():
-    params = SamplingParams(temperature=1.0, top_p=1e-6, seed=0)
+    params = Request("p", temperature=1.0, top_p=1e-6, seed=0)
     scores = torch.zeros(50)
     scores[33] = 0.5
     assert set(samples(params, scores, 100)) == {33}
@@ -104,51 +51,51 @@ def test_tiny_top_p_is_argmax():
 
 def test_top_k_restricts_to_the_k_best():
     scores = torch.tensor([3.0, 2.9, 2.8, 0.0, 0.0, 0.0, 0.0, 0.0])
-    params = SamplingParams(temperature=5.0, top_k=3, seed=1)
+    params = Request("p", temperature=5.0, top_k=3, seed=1)
     picked = samples(params, scores, 200)
     assert set(picked) == {0, 1, 2}
 
 
 def test_top_k_larger_than_vocab_is_fine():
     scores = torch.tensor([1.0, 2.0, 3.0])
-    params = SamplingParams(temperature=1.0, top_k=1000, seed=0)
+    params = Request("p", temperature=1.0, top_k=1000, seed=0)
     assert set(samples(params, scores, 200)) == {0, 1, 2}
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     # probabilities 0.4, 0.3, 0.2, 0.1: top_p=0.5 keeps the first two (0.4 < 0.5 <= 0.7)
     scores = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.3]))
-    params = SamplingParams(temperature=1.0, top_p=0.5, seed=2)
+    params = Request("p", temperature=1.0, top_p=0.5, seed=2)
     assert set(samples(params, scores, 300)) == {1, 3}
-    params = SamplingParams(temperature=1.0, top_p=0.75, seed=2)
+    params = Request("p", temperature=1.0, top_p=0.75, seed=2)
     assert set(samples(params, scores, 300)) == {1, 2, 3}
 
 
 def test_temperature_sampling_covers_more_than_argmax():
     scores = torch.zeros(10)
-    params = SamplingParams(temperature=1.0, seed=5)
+    params = Request("p", temperature=1.0, seed=5)
     assert len(set(samples(params, scores, 200))) > 5
 
 
 def test_same_seed_same_samples():
     scores = torch.zeros(100)
-    params = SamplingParams(temperature=1.0, seed=1234)
+    params = Request("p", temperature=1.0, seed=1234)
     first = samples(params, scores)
     assert samples(params, scores) == first
-    assert samples(SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234), scores) == samples(
-        SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234), scores
+    assert samples(Request("p", temperature=1.0, top_p=0.9, top_k=50, seed=1234), scores) == samples(
+        Request("p", temperature=1.0, top_p=0.9, top_k=50, seed=1234), scores
     )
 
 
 def test_different_seeds_usually_differ():
     scores = torch.zeros(100)
-    runs = {tuple(samples(SamplingParams(temperature=1.0, seed=s), scores, 20)) for s in range(5)}
+    runs = {tuple(samples(Request("p", temperature=1.0, seed=s), scores, 20)) for s in range(5)}
     assert len(runs) == 5
 
 
 def test_unseeded_generators_differ():
     scores = torch.zeros(100)
-    params = SamplingParams(temperature=1.0)
+    params = Request("p", temperature=1.0)
     assert samples(params, scores, 20) != samples(params, scores, 20)
 
 
@@ -156,5 +103,5 @@ def test_unseeded_generator_leaves_the_global_rng_alone():
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    SamplingParams(temperature=1.0).generator(CPU)
+    Request("p", temperature=1.0).generator(CPU)
     assert torch.equal(torch.rand(3), expected)

@@ -20,16 +20,16 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+from helpers import tiny_model, tiny_tokenizer
+
+from kvboost_rag import EngineConfig, KVBoostEngine
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from helpers import tiny_model, tiny_tokenizer  # noqa: E402
-
-from kvboost_rag import EngineConfig, KVBoostEngine  # noqa: E402
-from kvboost_rag.server import create_app, create_server  # noqa: E402
+from kvboost_rag.server import create_app, create_server  # noqa: E402  (needs fastapi: skipped above without it)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-llama"
@@ -109,19 +109,24 @@ def client(served: Served) -> Iterator[Any]:
         yield c
 
 
+def model_busy(engine: KVBoostEngine) -> Any:
+    """Hold the engine's prefill lock: requests get admitted (and queue up) but none can start."""
+    return engine.core.lock
+
+
 def count_decoded_tokens(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the tokens the engine's single-request decode loop produces from now on."""
-    import kvboost_rag.engine as engine_module
+    import kvboost_rag.generation as generation_module
 
     count = [0]
-    real = engine_module.decode
+    real = generation_module.decode
 
     def counting(*args: Any, **kwargs: Any) -> Iterator[int]:
         for token in real(*args, **kwargs):
             count[0] += 1
             yield token
 
-    monkeypatch.setattr(engine_module, "decode", counting)
+    monkeypatch.setattr(generation_module, "decode", counting)
     return count
 
 
@@ -384,11 +389,14 @@ def post_chat(url: str, question: str, **extra: Any) -> httpx.Response:
 def test_a_full_queue_answers_429_and_admitted_requests_finish(engine):
     app = create_app(engine, model_name=MODEL, max_queue=2, close_engine=False)
     with running(app) as s, ThreadPoolExecutor(2) as pool:
-        with engine._lock:  # the model is busy: admitted requests wait for it
+        with model_busy(engine):  # the model is busy: admitted requests wait for it
             admission = s.service.admission
             admitted = [pool.submit(post_chat, s.url, "Question 0?")]
             # the first one is taken by the scheduler (and waits for the model), so the second stays queued
-            wait_until(lambda: len(admission.tickets) == 1 and admission.waiting == 0, what="the first request running")
+            wait_until(
+                lambda: len(admission.tickets) == 1 and admission.waiting == 0,
+                what="the first request running",
+            )
             admitted.append(pool.submit(post_chat, s.url, "Question 1?"))
             wait_until(lambda: len(admission.tickets) == 2, what="two admitted requests")
             refused = post_chat(s.url, "One too many?")
@@ -414,15 +422,15 @@ def test_a_full_queue_answers_429_and_admitted_requests_finish(engine):
 
 def test_concurrent_requests_are_served_in_one_batch(engine, served, monkeypatch):
     sizes: list[int] = []
-    real_batch = engine._batch
+    real_batch = engine.generation.batch
 
     def spy(prepared: Any, cancels: Any) -> Any:
         sizes.append(len(prepared))
         return real_batch(prepared, cancels)
 
-    monkeypatch.setattr(engine, "_batch", spy)
+    monkeypatch.setattr(engine.generation, "batch", spy)
     with ThreadPoolExecutor(4) as pool:
-        with engine._lock:  # hold the model while four requests arrive; they queue up in the scheduler
+        with model_busy(engine):  # hold the model while four requests arrive; they queue up in the scheduler
             futures = [pool.submit(post_chat, served.url, f"Batch question {i}?") for i in range(4)]
             wait_until(lambda: len(served.service.admission.tickets) == 4, what="four admitted requests")
         responses = [f.result() for f in futures]
@@ -436,7 +444,7 @@ def test_timeouts_answer_504_and_stop_the_generation(engine, monkeypatch):
     app = create_app(engine, model_name=MODEL, request_timeout_s=0.5, close_engine=False)
     messages = chat(SYSTEM + "(timeout)")
     with running(app) as s, openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0) as c:
-        with engine._lock:  # the model is busy past the deadline
+        with model_busy(engine):  # the model is busy past the deadline
             with pytest.raises(openai.APIStatusError) as e:
                 c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1000)
             assert e.value.status_code == 504 and e.value.code == "request_timeout"

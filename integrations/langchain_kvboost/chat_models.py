@@ -22,7 +22,7 @@ from langchain_kvboost import tools as hermes
 from langchain_kvboost.messages import to_chat_messages
 
 if TYPE_CHECKING:
-    from kvboost_rag import GenerationResult, KVBoostEngine
+    from kvboost_rag import GenerationResult, KVBoostEngine, Request
 
 
 def clear_engines() -> None:
@@ -82,7 +82,7 @@ class ChatKVBoost(BaseChatModel):
     position (approximate, counted in ``response_metadata["kvboost"]["approx_tokens"]``);
     ``off`` never reads or writes the store."""
     blend_recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
-    """Blend mode: share of reused document tokens recomputed (None: the engine's ``blend_recompute_ratio``)."""
+    """Blend mode: share of reused document tokens recomputed (None: the engine's setting)."""
     chunk_size: int | None = None
     """Tokens per stored chunk: the granularity of exact reuse (None: the engine's default, 64 tokens
     with the split-invariant forward)."""
@@ -93,7 +93,12 @@ class ChatKVBoost(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model, "dtype": self.dtype, "temperature": self.temperature, "reuse": self.reuse}
+        return {
+            "model": self.model,
+            "dtype": self.dtype,
+            "temperature": self.temperature,
+            "reuse": self.reuse,
+        }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
         params = super()._get_ls_params(stop=stop, **kwargs)
@@ -109,9 +114,9 @@ class ChatKVBoost(BaseChatModel):
         """The shared engine (loaded on first use)."""
         from kvboost_rag.shared import EngineSpec, shared_engine
 
-        return shared_engine(EngineSpec(
-            self.model, self.dtype, self.device, self.store_dir, self.chunk_size, self.redis_url
-        ))
+        return shared_engine(
+            EngineSpec(self.model, self.dtype, self.device, self.store_dir, self.chunk_size, self.redis_url)
+        )
 
     # -- generation --------------------------------------------------------------------------
 
@@ -131,7 +136,9 @@ class ChatKVBoost(BaseChatModel):
         hermes.forced_prefix(tool_choice, formatted)  # validates a named tool_choice now
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
-    def _prompt(self, messages: list[BaseMessage], tools: list[dict] | None, tool_choice: Any) -> tuple[Any, str]:
+    def _prompt(
+        self, messages: list[BaseMessage], tools: list[dict] | None, tool_choice: Any
+    ) -> tuple[Any, str]:
         """The engine prompt, and the text the reply is started with (forced tool calls)."""
         chat = to_chat_messages(messages)
         if not tools or tool_choice == "none":
@@ -148,23 +155,14 @@ class ChatKVBoost(BaseChatModel):
 
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[dict[str, Any], str, set[str] | None]:
-        """Engine arguments, the forced reply start, and the tool names to parse calls of (None: no tools)."""
-        stops = [*(self.stop or []), *(stop or []), *(kwargs.pop("stop", None) or [])]
+    ) -> tuple[Request, str, set[str] | None]:
+        """The engine request, the forced reply start, and the tool names to parse calls of (None: none)."""
+        from kvboost_rag.shared import request_for
+
         tools = kwargs.pop("tools", None)
         tool_choice = kwargs.pop("tool_choice", None)
         prompt, prefix = self._prompt(messages, tools, tool_choice)
-        request = {
-            "prompt": prompt,
-            "max_new_tokens": kwargs.pop("max_tokens", self.max_tokens),
-            "temperature": kwargs.pop("temperature", self.temperature),
-            "top_p": kwargs.pop("top_p", self.top_p),
-            "top_k": kwargs.pop("top_k", self.top_k),
-            "seed": kwargs.pop("seed", self.seed),
-            "stop": stops or None,
-            "reuse": kwargs.pop("reuse", self.reuse),
-            "blend_recompute_ratio": kwargs.pop("blend_recompute_ratio", self.blend_recompute_ratio),
-        }
+        request = request_for(prompt, self, kwargs, stop=stop)
         names = {t["function"]["name"] for t in tools} if tools and tool_choice != "none" else None
         return request, prefix, names
 
@@ -176,7 +174,7 @@ class ChatKVBoost(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         request, prefix, tool_names = self._request(messages, stop, kwargs)
-        return self._chat_result(self.engine.generate(**request), prefix, tool_names)
+        return self._chat_result(self.engine.generate(request), prefix, tool_names)
 
     async def _agenerate(
         self,
@@ -189,10 +187,12 @@ class ChatKVBoost(BaseChatModel):
         # free, and cancelling the task stops the request at its next token.
         engine = await asyncio.to_thread(lambda: self.engine)  # the first use loads the model
         request, prefix, tool_names = self._request(messages, stop, kwargs)
-        return self._chat_result(await engine.agenerate(**request), prefix, tool_names)
+        return self._chat_result(await engine.agenerate(request), prefix, tool_names)
 
     def _chat_result(self, result: GenerationResult, prefix: str, tool_names: set[str] | None) -> ChatResult:
-        content, calls, invalid = hermes.parse(prefix + result.text, tool_names) if tool_names else (result.text, [], [])
+        content, calls, invalid = (
+            hermes.parse(prefix + result.text, tool_names) if tool_names else (result.text, [], [])
+        )
         message = AIMessage(
             content=content,
             tool_calls=calls,
@@ -211,7 +211,7 @@ class ChatKVBoost(BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         request, prefix, tool_names = self._request(messages, stop, kwargs)
         text, shown = prefix, 0  # with tools, content stops where a tool call starts
-        for piece in self.engine.stream(**request):
+        for piece in self.engine.stream(request):
             text += piece.text
             if tool_names:
                 # a bare call object (no tags) is only known at the end: hold back a reply that opens with "{"

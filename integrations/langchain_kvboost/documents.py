@@ -54,7 +54,10 @@ def prewarm_documents(
     from langchain_kvboost.messages import to_chat_messages
 
     if context_variable not in prompt.input_variables:
-        msg = f"the prompt has no {{{context_variable}}} variable (it has {prompt.input_variables}); pass context_variable"
+        msg = (
+            f"the prompt has no {{{context_variable}}} variable (it has {prompt.input_variables}); "
+            "pass context_variable"
+        )
         raise ValueError(msg)
     variables = {v: "" for v in prompt.input_variables} | other_variables | {context_variable: _MARKER}
     engine = llm.engine

@@ -6,10 +6,16 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 
 from kvboost_rag.errors import InvalidRequestError
-
 
 # Blocks an assistant message may carry besides text; its tool calls are read from ``tool_calls``.
 _AI_NON_TEXT = {"tool_use", "tool_call", "tool_call_chunk", "reasoning", "thinking"}
@@ -29,7 +35,10 @@ def _blocks(message: BaseMessage, index: int) -> list[dict[str, str]]:
             continue
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            msg = f"message {index} has a {kind!r} content block; ChatKVBoost serves text models, pass text blocks only"
+            msg = (
+                f"message {index} has a {kind!r} content block; "
+                "ChatKVBoost serves text models, pass text blocks only"
+            )
             raise InvalidRequestError(msg)
     return blocks
 
@@ -48,18 +57,26 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
             item = {"role": "assistant", "content": _blocks(message, i)}
             if message.tool_calls:
                 item["tool_calls"] = [
-                    {"type": "function", "id": c.get("id"), "function": {"name": c["name"], "arguments": c["args"]}}
+                    {
+                        "type": "function",
+                        "id": c.get("id"),
+                        "function": {"name": c["name"], "arguments": c["args"]},
+                    }
                     for c in message.tool_calls
                 ]
         elif isinstance(message, ToolMessage):
             content = message.content if isinstance(message.content, str) else json.dumps(message.content)
-            item = {"role": "tool", "content": [{"type": "text", "text": content}], "tool_call_id": message.tool_call_id}
+            item = {
+                "role": "tool",
+                "content": [{"type": "text", "text": content}],
+                "tool_call_id": message.tool_call_id,
+            }
         elif isinstance(message, ChatMessage):
             item = {"role": message.role, "content": _blocks(message, i)}
         else:
             msg = (
-                f"message {i} is a {type(message).__name__}, which ChatKVBoost cannot render; use System, Human, "
-                "AI, Tool or Chat messages"
+                f"message {i} is a {type(message).__name__}, which ChatKVBoost cannot render; "
+                "use System, Human, AI, Tool or Chat messages"
             )
             raise InvalidRequestError(msg)
         out.append(item)

@@ -26,7 +26,7 @@ You are provided with function signatures within <tools></tools> XML tags:
 For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
 <tool_call>
 {{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
+</tool_call>"""  # noqa: E501 (the prompt text, kept verbatim)
 """Used when the chat template cannot render tools itself (e.g. SmolLM2): appended to the system prompt."""
 
 
@@ -40,7 +40,10 @@ def with_fallback_prompt(messages: list[dict[str, Any]], tools: list[dict[str, A
     text = FALLBACK_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
     if messages and messages[0]["role"] == "system":
         first = messages[0]
-        return [{**first, "content": [*first["content"], {"type": "text", "text": "\n\n" + text}]}, *messages[1:]]
+        return [
+            {**first, "content": [*first["content"], {"type": "text", "text": "\n\n" + text}]},
+            *messages[1:],
+        ]
     return [{"role": "system", "content": [{"type": "text", "text": text}]}, *messages]
 
 
@@ -66,7 +69,7 @@ def forced_prefix(tool_choice: Any, tools: list[dict[str, Any]]) -> str:
 
 
 def _bare_call(text: str, tool_names: set[str]) -> str | None:
-    """A reply that is only ``{"name": <bound tool>, "arguments": {...}}`` (small models often drop the tags)."""
+    """A reply that is only ``{"name": <bound tool>, "arguments": {...}}`` (small models drop the tags)."""
     body = text.strip().removeprefix("```json").removeprefix("```").removesuffix("```").strip()
     if not body.startswith("{"):
         return None
@@ -98,7 +101,9 @@ def parse(text: str, tool_names: set[str] | None = None) -> tuple[str, list[Tool
                 raise TypeError("name must be a string and arguments an object")
             calls.append(ToolCall(name=name, args=args, id=call_id, type="tool_call"))
         except (ValueError, KeyError, TypeError) as e:
-            invalid.append(InvalidToolCall(name=None, args=raw, id=call_id, error=str(e), type="invalid_tool_call"))
+            invalid.append(
+                InvalidToolCall(name=None, args=raw, id=call_id, error=str(e), type="invalid_tool_call")
+            )
     content = text.split(OPEN, 1)[0].strip() if (calls or invalid) else text
     return content, calls, invalid
 

@@ -224,8 +224,10 @@ class ServerMetrics:
                 [({"reason": r}, n) for r, n in sorted(self.finish_reasons.items())],
             )
             lines += [
-                "# HELP kvboost_ttft_seconds Time to first token, measured by the engine from the call "
-                "(queueing, tokenization, lookup, loading and prefill included).",
+                (
+                    "# HELP kvboost_ttft_seconds Time to first token, measured by the engine from the call "
+                    "(queueing, tokenization, lookup, loading and prefill included)."
+                ),
                 "# TYPE kvboost_ttft_seconds histogram",
                 *self.ttft.lines("kvboost_ttft_seconds", {}),
             ]

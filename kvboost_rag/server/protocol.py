@@ -15,8 +15,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..engine import GenerationResult
+from ..canonical import PromptInput
 from ..errors import InvalidRequestError
+from ..request import Request
+from ..results import GenerationResult
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 """OpenAI roles this server renders, and the chat-template role each becomes (``developer`` is
@@ -42,7 +44,20 @@ class StreamOptions(BaseModel):
     """Send one more chunk before ``[DONE]`` with ``usage`` and no choices."""
 
 
-class _Sampling(BaseModel):
+class _OpenAIOnly(BaseModel):
+    """OpenAI fields this server accepts only at their no-op values (see :func:`_refuse_unsupported`)."""
+
+    n: int | None = None
+    """Only one choice per request (1 or omitted)."""
+    presence_penalty: float | None = None
+    """Not implemented: only 0 or omitted (likewise ``frequency_penalty`` and ``logit_bias``)."""
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    """Accepted and ignored."""
+
+
+class _Sampling(_OpenAIOnly):
     """Knobs shared by both endpoints (OpenAI names; ``top_k`` is an extension)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -50,18 +65,21 @@ class _Sampling(BaseModel):
     model: str | None = None
     """Any name is accepted; responses report the served model's name."""
     max_tokens: int | None = Field(default=None, ge=1)
+    """None: the server's ``default_max_tokens``."""
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    """None: 1.0, as OpenAI; 0 decodes greedily."""
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     seed: int | None = None
+    """Makes sampling repeatable on this server."""
     stop: str | list[str] | None = None
-    n: int | None = None
+    """Stop strings, trimmed from the output."""
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+
+    def token_limit(self) -> int | None:
+        """The most tokens to generate, as the body asks (None: the server's default)."""
+        return self.max_tokens
 
 
 class ContentPart(BaseModel):
@@ -91,6 +109,10 @@ class ChatCompletionRequest(_Sampling):
     functions: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+
+    def token_limit(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's newer name), else ``max_tokens``."""
+        return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(_Sampling):
@@ -122,19 +144,30 @@ def _refuse_unsupported(body: _Sampling) -> None:
         raise BadRequest("stop strings must be non-empty; remove the empty string from stop", "stop")
 
 
-def sampling_kwargs(body: _Sampling, *, max_tokens: int | None, default_max_tokens: int) -> dict[str, Any]:
-    """Keyword arguments of :meth:`~kvboost_rag.KVBoostEngine.generate` (prompt excluded)."""
+def to_request(body: _Sampling, prompt: PromptInput, default_max_tokens: int) -> Request:
+    """The engine request for ``prompt`` with the body's sampling settings.
+
+    Raises :class:`BadRequest` for settings this server does not implement, and
+    :class:`~kvboost_rag.errors.InvalidRequestError` (from :class:`~kvboost_rag.request.Request`)
+    for values the engine refuses.
+
+    >>> body = CompletionRequest(prompt="Hi", max_tokens=8, stop="END")
+    >>> request = to_request(body, "Hi", default_max_tokens=256)
+    >>> request.max_new_tokens, request.temperature, request.stop
+    (8, 1.0, ('END',))
+    """
     _refuse_unsupported(body)
-    stop = body.stop or None
-    return {
-        "max_new_tokens": max_tokens if max_tokens is not None else default_max_tokens,
+    max_tokens = body.token_limit()
+    return Request(
+        prompt,
+        max_new_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         # OpenAI samples at temperature 1 when none is given; send 0 for greedy decoding.
-        "temperature": 1.0 if body.temperature is None else body.temperature,
-        "top_p": 1.0 if body.top_p is None else body.top_p,
-        "top_k": body.top_k or 0,
-        "seed": body.seed,
-        "stop": [stop] if isinstance(stop, str) else stop,
-    }
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop=body.stop or None,
+    )
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:

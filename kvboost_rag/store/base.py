@@ -6,9 +6,12 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from ..registry import SharedRecords
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,14 @@ class StoredChunk:
 
 
 class Hit(NamedTuple):
+    """A chunk found in a tier."""
+
     chunk: StoredChunk
     tier: str
     """Name of the tier that served it (``"memory"``, ``"disk"``, ...)."""
+    cost: float | None = None
+    """The recompute cost it was stored with (see :meth:`KVStore.put`); ``None`` when the tier does not
+    know it (an entry written before costs were stored). Kept when a hit is copied into a faster tier."""
 
 
 @dataclass
@@ -102,22 +110,43 @@ class KVStore(ABC):
     name: str
 
     @abstractmethod
-    def get(self, key: str) -> Hit | None: ...
+    def get(self, key: str) -> Hit | None:
+        """The stored chunk, or None (a miss: absent, or unusable and removed); counted in :meth:`stats`."""
 
     @abstractmethod
-    def put(self, key: str, chunk: StoredChunk, *, cost: float = 1.0, pin: bool = False) -> None: ...
+    def put(self, key: str, chunk: StoredChunk, *, cost: float = 1.0, pin: bool = False) -> None:
+        """Store (or replace) a chunk; a slow tier may write it later (:meth:`flush` waits) or drop it."""
 
     @abstractmethod
-    def contains(self, key: str) -> bool: ...
+    def contains(self, key: str) -> bool:
+        """Whether the key is stored; not counted as a read."""
 
     @abstractmethod
     def pin(self, key: str, pinned: bool = True) -> bool:
         """Pin (or unpin) a stored entry; returns whether it was present."""
 
     @abstractmethod
-    def stats(self) -> dict[str, TierStats]: ...
+    def remove(self, key: str) -> bool:
+        """Delete one entry; returns whether it was present."""
 
-    def flush(self) -> None:
+    @abstractmethod
+    def clear(self) -> None:
+        """Delete every entry this tier holds for its namespace (the counters are kept)."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, TierStats]:
+        """Counters and sizes, one :class:`TierStats` per tier name, fastest tier first."""
+
+    @property
+    def tiers(self) -> list[KVStore]:
+        """The tiers behind this store, fastest first: ``[self]`` for a single tier."""
+        return [self]
+
+    def shared_records(self) -> SharedRecords | None:
+        """Registry records this store keeps for other processes (the Redis tier's), or None."""
+        return None
+
+    def flush(self) -> None:  # noqa: B027  (empty on purpose: a synchronous tier has nothing to wait for)
         """Wait for pending writes (a no-op for synchronous tiers)."""
 
     def close(self) -> None:

@@ -3,7 +3,8 @@
 - Payloads go through :class:`KVDisk`, a ``diskcache.Disk`` that writes our checked
   raw-buffer format (:mod:`.serialization`) and refuses to pickle anything.
 - Eviction metadata (size, recompute cost, hits, last access, pin) lives in a small
-  SQLite index beside the payloads, so every process sees the same pins and scores.
+  SQLite index beside the payloads, so every process sees the same pins and scores;
+  :class:`~.eviction.EvictionPolicy` ranks the entries.
 - Writes run on a background thread so the cold path never waits on the disk;
   :meth:`DiskStore.flush` (called by ``close()`` and at exit) waits for them.
 - A corrupt, truncated or foreign entry is a miss: it is removed, counted and logged.
@@ -19,20 +20,20 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import diskcache
 
 from ..errors import StoreError
-from .base import Hit, KVStore, StoredChunk, TierCounters, TierStats
-from .serialization import CorruptEntryError, decode, encode
-from .writer import BackgroundWriter, close_at_exit, closed
+from .base import Hit, StoredChunk, TierCounters, TierStats
+from .eviction import Candidate, EvictionPolicy
+from .resilience import RateLimitedWarnings
+from .serialization import CorruptEntryError, Entry, decode_entry, encode
+from .writer import WriteBehindTier
 
 logger = logging.getLogger(__name__)
-
-RECENCY_HALF_LIFE_S = 3600.0
-"""Age at which an entry's eviction score is halved."""
 
 
 class KVDisk(diskcache.Disk):
@@ -45,7 +46,9 @@ class KVDisk(diskcache.Disk):
 
     def store(self, value: Any, read: bool, key: Any = diskcache.UNKNOWN) -> tuple:
         if not isinstance(value, (bytes, bytearray)):
-            raise TypeError(f"kvboost store values are encoded bytes, got {type(value).__name__} (never pickled)")
+            raise TypeError(
+                f"kvboost store values are encoded bytes, got {type(value).__name__} (never pickled)"
+            )
         return super().store(bytes(value), read, key)
 
     def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> bytearray:
@@ -104,7 +107,7 @@ class _Index:
             self._con.close()
 
 
-class DiskStore(KVStore):
+class DiskStore(WriteBehindTier):
     """Persistent tier for one namespace in ``directory``.
 
     >>> import tempfile, torch
@@ -125,7 +128,19 @@ class DiskStore(KVStore):
         *,
         max_bytes: int | None = None,
         background_writes: bool = True,
+        policy: EvictionPolicy | None = None,
+        warn_every_s: float = 0.0,
     ) -> None:
+        """
+        Args:
+            directory: the store directory (created if missing); processes may share it.
+            namespace: the engine's store namespace (model, tokenizer, dtype, layout).
+            max_bytes: payload budget of the whole directory; ``None``: no budget.
+            background_writes: ``False`` writes synchronously (tests, tools).
+            policy: which entries go first when over ``max_bytes``.
+            warn_every_s: at most one warning per kind of problem in this period; 0 (the default):
+                each problem is logged (a disk fails rarely, and each unusable entry is worth a line).
+        """
         self.directory = Path(directory).expanduser()
         self.namespace = namespace
         self.max_bytes = max_bytes
@@ -139,11 +154,11 @@ class DiskStore(KVStore):
             statistics=False,
         )
         self._index = _Index(self.directory / "index.sqlite")
+        self._policy = policy or EvictionPolicy()
         self._counters = TierCounters()
+        self._warnings = RateLimitedWarnings(logger, warn_every_s)
         self._disabled_reason: str | None = None
-        self._writer = BackgroundWriter(self._apply, name="kvboost-disk-writer", background=background_writes)
-        self._closed = False
-        close_at_exit(self)
+        self._start_writer("kvboost-disk-writer", background=background_writes)
 
     # -- KVStore -----------------------------------------------------------------------------
 
@@ -156,24 +171,25 @@ class DiskStore(KVStore):
             return self._cache.get(key, default=None, read=True)
 
     def get(self, key: str) -> Hit | None:
+        entry: Entry | None = None
         try:
             data = self._read(key)
-            chunk = None if data is None else decode(data, self.namespace, key)
+            entry = None if data is None else decode_entry(data, self.namespace, key)
         except CorruptEntryError as e:
             self._drop_corrupt(key, str(e))
-            chunk = None
         except (OSError, sqlite3.Error) as e:
-            logger.warning("disk tier read failed for %s… (%s); treating it as a miss", key[:12], e)
-            chunk = None
-        self._counters.read(found=chunk is not None)
-        if chunk is None:
+            self._warnings.warn(
+                "read", "disk tier read failed for %s… (%s); treating it as a miss", key[:12], e
+            )
+        self._counters.read(found=entry is not None)
+        if entry is None:
             return None
-        self._writer.submit(("touch", key, time.time()))
-        return Hit(chunk, self.name)
+        self._writer.submit(partial(self._touch, key, time.time()))
+        return Hit(entry.chunk, self.name, entry.cost)
 
     def put(self, key: str, chunk: StoredChunk, *, cost: float = 1.0, pin: bool = False) -> None:
         if self._disabled_reason is None:
-            self._writer.submit(("put", key, chunk, cost, pin))
+            self._writer.submit(partial(self._write, key, chunk, cost, pin))
 
     def contains(self, key: str) -> bool:
         return key in self._cache
@@ -188,36 +204,32 @@ class DiskStore(KVStore):
         self.flush()
         s = self._counters.snapshot()
         ((entries, nbytes, pinned),) = self._index.execute(
-            "SELECT COUNT(*), COALESCE(SUM(bytes), 0), COALESCE(SUM(pinned), 0) FROM entries WHERE namespace = ?",
+            "SELECT COUNT(*), COALESCE(SUM(bytes), 0), COALESCE(SUM(pinned), 0) FROM entries"
+            " WHERE namespace = ?",
             (self.namespace,),
         )
         s.entries, s.bytes, s.pinned = entries, nbytes, pinned
         return {self.name: s}
-
-    def flush(self) -> None:
-        self._writer.flush()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._writer.close()
-        self._cache.close()
-        self._index.close()
-        closed(self)
-
-    # -- maintenance -------------------------------------------------------------------------
 
     def remove(self, key: str) -> bool:
         self.flush()
         self._index.execute("DELETE FROM entries WHERE key = ?", (key,))
         return bool(self._cache.delete(key))
 
+    def clear(self) -> None:
+        """Delete every entry in the directory, of every namespace."""
+        self.flush()
+        self._cache.clear()
+        self._index.execute("DELETE FROM entries")
+
+    # -- maintenance -------------------------------------------------------------------------
+
     def usage(self) -> dict[str, dict[str, int]]:
         """Per namespace: entries, bytes, reads (hits after the first store) and pinned entries."""
         self.flush()
         rows = self._index.execute(
-            "SELECT namespace, COUNT(*), SUM(bytes), SUM(hits) - COUNT(*), SUM(pinned) FROM entries GROUP BY namespace"
+            "SELECT namespace, COUNT(*), SUM(bytes), SUM(hits) - COUNT(*), SUM(pinned)"
+            " FROM entries GROUP BY namespace"
         )
         return {ns: {"entries": n, "bytes": b, "reads": r, "pinned": p} for ns, n, b, r, p in rows}
 
@@ -241,63 +253,54 @@ class DiskStore(KVStore):
         self._delete(doomed)
         return len(doomed)
 
-    def clear(self) -> None:
-        self.flush()
-        self._cache.clear()
-        self._index.execute("DELETE FROM entries")
-
     def read_checked(self, key: str, namespace: str) -> StoredChunk:
         """Read and check one entry of any namespace; raises :class:`CorruptEntryError`."""
         data = self._read(key)
         if data is None:
             raise CorruptEntryError("no payload for an indexed key")
-        return decode(data, namespace, key)
+        return decode_entry(data, namespace, key).chunk
 
     def evict_to(self, max_bytes: int) -> int:
         """Evict unpinned entries, lowest score first, until the directory holds ``max_bytes``."""
         ((total,),) = self._index.execute("SELECT COALESCE(SUM(bytes), 0) FROM entries")
         if total <= max_bytes:
             return 0
-        now = time.time()
-        candidates = self._index.execute(
-            "SELECT key, bytes FROM entries WHERE pinned = 0"
-            " ORDER BY (hits * cost / MAX(bytes, 1)) / (1.0 + (? - last_access) / ?) ASC",
-            (now, RECENCY_HALF_LIFE_S),
-        )
-        doomed = []
-        for key, nbytes in candidates:
-            if total <= max_bytes:
-                break
-            doomed.append(key)
-            total -= nbytes
+        rows = self._index.execute("SELECT key, bytes, hits, cost, last_access FROM entries WHERE pinned = 0")
+        candidates = [Candidate(*row) for row in rows]
+        doomed = self._policy.choose_victims(candidates, free_bytes=total - max_bytes, now=time.time())
         self._delete(doomed)
         self._counters.add("evictions", len(doomed))
         return len(doomed)
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _apply(self, item: tuple) -> None:
-        if item[0] == "touch":
-            _, key, now = item
-            self._index.execute("UPDATE entries SET hits = hits + 1, last_access = ? WHERE key = ?", (now, key))
-            return
-        _, key, chunk, cost, pin = item
+    def _release(self) -> None:
+        self._cache.close()
+        self._index.close()
+
+    def _touch(self, key: str, now: float) -> None:
+        """A read: count it and renew the entry's recency (a queued write)."""
+        self._index.execute("UPDATE entries SET hits = hits + 1, last_access = ? WHERE key = ?", (now, key))
+
+    def _write(self, key: str, chunk: StoredChunk, cost: float, pin: bool) -> None:
+        """Store one entry, then evict down to ``max_bytes`` (a queued write)."""
         if self._disabled_reason is not None:
             return
         try:
-            data = encode(chunk, self.namespace, key)
+            data = encode(chunk, self.namespace, key, cost)
             self._cache.set(key, data)
             self._index.execute(
                 "INSERT INTO entries (key, namespace, bytes, tokens, cost, hits, last_access, pinned)"
-                " VALUES (?, ?, ?, ?, ?, 1, ?, ?) ON CONFLICT(key) DO UPDATE SET namespace = excluded.namespace,"
-                " bytes = excluded.bytes, tokens = excluded.tokens, cost = excluded.cost,"
-                " last_access = excluded.last_access, pinned = MAX(pinned, excluded.pinned)",
+                " VALUES (?, ?, ?, ?, ?, 1, ?, ?) ON CONFLICT(key) DO UPDATE SET"
+                " namespace = excluded.namespace, bytes = excluded.bytes, tokens = excluded.tokens,"
+                " cost = excluded.cost, last_access = excluded.last_access,"
+                " pinned = MAX(pinned, excluded.pinned)",
                 (key, self.namespace, len(data), chunk.num_tokens, cost, time.time(), int(pin)),
             )
         except (OSError, sqlite3.OperationalError) as e:
             if _is_disk_full(e):
                 self._disabled_reason = str(e)
-                logger.warning("disk tier is full (%s); continuing with the memory tier only", e)
+                self._warnings.warn("full", "disk tier is full (%s); continuing with the memory tier only", e)
                 return
             raise
         self._counters.add("puts")
@@ -311,12 +314,12 @@ class DiskStore(KVStore):
             self._index.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in keys])
 
     def _drop_corrupt(self, key: str, reason: str) -> None:
-        logger.warning("disk tier entry %s… is unusable (%s); removed, it will be recomputed", key[:12], reason)
+        self._warnings.unusable_entry(self.name, key, reason)
         self._counters.add("corrupt")
         try:
             self._delete([key])
         except (OSError, sqlite3.Error) as e:
-            logger.warning("could not remove corrupt entry %s… (%s)", key[:12], e)
+            self._warnings.warn("remove", "could not remove corrupt entry %s… (%s)", key[:12], e)
 
     @property
     def disabled_reason(self) -> str | None:

@@ -4,8 +4,9 @@ Layout of one entry (little-endian)::
 
     b"KVB2" | u32 header_bytes | header (JSON, UTF-8) | 16-byte XXH3-128 digest | kv bytes | logits bytes
 
-The header names the namespace, the key, shapes, dtypes and the chunk's lineage;
-the digest covers the header and the payload. :func:`decode` checks all of them,
+The header names the namespace, the key, shapes, dtypes, the chunk's lineage and its
+recompute cost (kept for eviction when an entry moves between tiers); the digest covers
+the header and the payload. :func:`decode` checks all of them,
 so a corrupt, truncated or foreign entry is refused instead of served. XXH3 runs
 at ~14 GB/s here, so checking costs far less than reading the bytes.
 
@@ -19,7 +20,10 @@ at ~14 GB/s here, so checking costs far less than reading the bytes.
 from __future__ import annotations
 
 import json
+import math
 import struct
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
@@ -37,11 +41,20 @@ class CorruptEntryError(KVBoostError, ValueError):
     """A stored entry failed a check (format, namespace, key, shape, dtype or checksum)."""
 
 
+class Entry(NamedTuple):
+    """A decoded entry."""
+
+    chunk: StoredChunk
+    cost: float | None
+    """The recompute cost it was stored with; None for an entry written before costs were stored."""
+
+
 def _raw(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-def encode(chunk: StoredChunk, namespace: str, key: str) -> bytes:
+def encode(chunk: StoredChunk, namespace: str, key: str, cost: float = 1.0) -> bytes:
+    """The entry's bytes: checked header, then the raw KV and logits."""
     kv = _raw(chunk.kv)
     logits = _raw(chunk.last_logits) if chunk.last_logits is not None else memoryview(b"")
     header = {
@@ -53,6 +66,7 @@ def encode(chunk: StoredChunk, namespace: str, key: str) -> bytes:
         "payload_bytes": kv.nbytes + logits.nbytes,
         "token_ids": list(chunk.token_ids) if chunk.token_ids is not None else None,
         "parent_key": chunk.parent_key,
+        "cost": float(cost),
     }
     head = json.dumps(header, separators=(",", ":")).encode()
     digest = xxhash.xxh3_128(head)
@@ -63,7 +77,22 @@ def encode(chunk: StoredChunk, namespace: str, key: str) -> bytes:
 
 def decode(data: bytes | bytearray | memoryview, namespace: str, key: str) -> StoredChunk:
     """Check and decode an entry; tensors are CPU views on ``data`` when it is writable."""
-    view = memoryview(data)
+    return decode_entry(data, namespace, key).chunk
+
+
+def decode_entry(data: object, namespace: str, key: str) -> Entry:
+    """Check and decode a value read from a tier, whatever it is; raises :class:`CorruptEntryError`."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CorruptEntryError(f"the tier returned a {type(data).__name__}, not bytes")
+    try:
+        return _decode(memoryview(data), namespace, key)
+    except CorruptEntryError:
+        raise
+    except Exception as e:  # a value crafted or mangled so that even the checks trip: still only a miss
+        raise CorruptEntryError(f"undecodable value ({type(e).__name__}: {e})") from e
+
+
+def _decode(view: memoryview, namespace: str, key: str) -> Entry:
     if len(view) < 8 or view[:4] != MAGIC:
         raise CorruptEntryError("not a kvboost KV entry (bad magic)")
     (head_len,) = _HEADER_LEN.unpack(view[4:8])
@@ -81,6 +110,7 @@ def decode(data: bytes | bytearray | memoryview, namespace: str, key: str) -> St
         kv_shape, kv_dtype = tuple(header["kv_shape"]), _DTYPES[header["kv_dtype"]]
         logits_shape = header["logits_shape"]
         expected_bytes = int(header["payload_bytes"])
+        cost = _cost(header.get("cost"))
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptEntryError(f"unreadable header ({e})") from e
     if header.get("namespace") != namespace or header.get("key") != key:
@@ -90,7 +120,11 @@ def decode(data: bytes | bytearray | memoryview, namespace: str, key: str) -> St
     if len(payload) != expected_bytes or expected_bytes != kv_bytes + logits_bytes or len(kv_shape) != 5:
         raise CorruptEntryError(f"truncated or malformed payload ({len(payload)} of {expected_bytes} bytes)")
     buffer = payload if not payload.readonly else bytearray(payload)  # torch needs a writable buffer
-    kv = torch.frombuffer(buffer, dtype=kv_dtype, count=_numel(kv_shape)).reshape(kv_shape) if kv_bytes else None
+    kv = (
+        torch.frombuffer(buffer, dtype=kv_dtype, count=_numel(kv_shape)).reshape(kv_shape)
+        if kv_bytes
+        else None
+    )
     if kv is None:
         raise CorruptEntryError("empty KV payload")
     logits = None
@@ -99,10 +133,24 @@ def decode(data: bytes | bytearray | memoryview, namespace: str, key: str) -> St
     token_ids = header.get("token_ids")
     if token_ids is not None and len(token_ids) != kv_shape[3]:
         raise CorruptEntryError("token count does not match the KV shape")
-    return StoredChunk(kv, logits, tuple(token_ids) if token_ids is not None else None, header.get("parent_key"))
+    ids = tuple(token_ids) if token_ids is not None else None
+    return Entry(StoredChunk(kv, logits, ids, header.get("parent_key")), cost)
 
 
-def _numel(shape) -> int:
+def _cost(value: object) -> float | None:
+    if value is None:
+        return None  # written before costs were stored
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"bad cost {value!r}")
+    return float(value)
+
+
+def _numel(shape: Iterable[Any]) -> int:
     n = 1
     for s in shape:
         n *= int(s)

@@ -1,87 +1,47 @@
 """Write-behind for slow tiers: writes run on one background thread so generation never waits on them.
 
-The disk and Redis tiers queue their writes here. ``flush()`` waits for what is queued;
-``close()`` flushes and stops the thread. Tiers that are still open when the interpreter
-exits are closed then, so queued writes are not lost at a normal exit.
+The disk and Redis tiers queue their writes here as zero-argument callables (usually a
+``functools.partial`` of a tier method), so the writer needs no knowledge of what a write is.
+``flush()`` waits for what is queued; ``close()`` flushes and stops the thread. Tiers that are
+still open when the interpreter exits are closed then, so queued writes are not lost at a
+normal exit.
 
-On a CPU the writer shares the cores with the model: encoding and writing a chunk while a
-prefill runs stalls the prefill's worker threads (measured: the cold path at 2-4K tokens
-went from ~1.0x to ~0.83x the speed of plain prefill on 2 cores). So writers wait while a
-CPU prefill is in progress (:func:`prefill_in_progress`), for at most ``MAX_WRITE_DELAY_S``.
+Writers wait while a CPU prefill is in progress (:func:`kvboost_rag.busy.prefill_in_progress`),
+for at most ``MAX_WRITE_DELAY_S``: on a CPU a write competes with the prefill for the cores.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import threading
-import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, Protocol
+from abc import abstractmethod
+from collections.abc import Callable
+
+from ..busy import close_at_exit, forget_at_exit, prefill_in_progress, run_queue, wait_until_idle
+from .base import KVStore
+
+__all__ = ["MAX_WRITE_DELAY_S", "BackgroundWriter", "WriteBehindTier", "WriteOp", "prefill_in_progress"]
 
 logger = logging.getLogger(__name__)
-
-
-class _Closable(Protocol):
-    def close(self) -> None: ...
-
 
 MAX_WRITE_DELAY_S = 2.0
 """Longest a queued write waits for prefills to finish; past it, it is written anyway."""
 
-_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
-_busy = 0  # CPU prefills in progress in this process
-_idle = threading.Condition()
-
-
-@contextmanager
-def prefill_in_progress() -> Iterator[None]:
-    """Background writes wait until this block (and every other one in progress) ends."""
-    global _busy
-    with _idle:
-        _busy += 1
-    try:
-        yield
-    finally:
-        with _idle:
-            _busy -= 1
-            if not _busy:
-                _idle.notify_all()
-
-
-def _wait_for_idle_cores() -> None:
-    with _idle:
-        _idle.wait_for(lambda: not _busy, timeout=MAX_WRITE_DELAY_S)
-
-
-@atexit.register
-def _close_open_tiers() -> None:
-    for tier in list(_OPEN):
-        tier.close()
-
-
-def close_at_exit(tier: _Closable) -> None:
-    """Close ``tier`` (flushing its writes) when the interpreter exits, unless it was closed before."""
-    _OPEN.add(tier)
-
-
-def closed(tier: _Closable) -> None:
-    """``tier`` was closed: nothing is left to do at exit."""
-    _OPEN.discard(tier)
+WriteOp = Callable[[], object]
+"""A queued write: calling it performs the write (its result is ignored)."""
 
 
 class BackgroundWriter:
-    """Applies queued items on a daemon thread, in order; synchronously when ``background`` is False.
+    """Runs queued writes on a daemon thread, in order; at once, in the caller, when ``background`` is False.
 
     ``max_items`` and ``max_bytes`` bound what waits (0 / None: unbounded); :meth:`submit`
-    refuses an item beyond them rather than block the caller. An exception from ``apply``
+    refuses a write beyond them rather than block the caller. An exception from a write
     is logged and never stops the thread.
 
     >>> done = []
-    >>> writer = BackgroundWriter(done.append, name="example")
-    >>> writer.submit("a"), writer.submit("b")
+    >>> writer = BackgroundWriter(name="example")
+    >>> writer.submit(lambda: done.append("a")), writer.submit(lambda: done.append("b"))
     (True, True)
     >>> writer.close(); done
     ['a', 'b']
@@ -89,19 +49,17 @@ class BackgroundWriter:
 
     def __init__(
         self,
-        apply: Callable[[Any], None],
         *,
         name: str,
         background: bool = True,
         max_items: int = 0,
         max_bytes: int | None = None,
     ) -> None:
-        self._apply = apply
         self._name = name
         self.max_bytes = max_bytes
         self._pending_bytes = 0
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[Any, int] | None] = queue.Queue(maxsize=max_items)
+        self._queue: queue.Queue[tuple[WriteOp, int] | None] = queue.Queue(maxsize=max_items)
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -111,18 +69,22 @@ class BackgroundWriter:
     def background(self) -> bool:
         return self._thread is not None
 
-    def submit(self, item: Any, nbytes: int = 0) -> bool:
-        """Queue ``item`` (``nbytes`` counts against ``max_bytes``); False when the queue is full."""
+    def submit(self, op: WriteOp, nbytes: int = 0) -> bool:
+        """Queue the write ``op`` (``nbytes`` counts against ``max_bytes``); False when the queue is full."""
         if self._thread is None:
-            self._run(item)
+            self._run(op)
             return True
         with self._lock:
-            # One item is always taken, however big, so a huge write is not refused forever.
-            if self.max_bytes is not None and self._pending_bytes and self._pending_bytes + nbytes > self.max_bytes:
+            # One write is always taken, however big, so a huge write is not refused forever.
+            if (
+                self.max_bytes is not None
+                and self._pending_bytes
+                and self._pending_bytes + nbytes > self.max_bytes
+            ):
                 return False
             self._pending_bytes += nbytes
         try:
-            self._queue.put_nowait((item, nbytes))
+            self._queue.put_nowait((op, nbytes))
         except queue.Full:
             with self._lock:
                 self._pending_bytes -= nbytes
@@ -130,7 +92,7 @@ class BackgroundWriter:
         return True
 
     def flush(self) -> None:
-        """Wait until every queued item has been applied."""
+        """Wait until every queued write has run."""
         if self._thread is not None and self._thread.is_alive():
             self._queue.join()
 
@@ -141,21 +103,55 @@ class BackgroundWriter:
             self._thread.join(timeout=30)
 
     def _loop(self) -> None:
-        while True:
-            entry = self._queue.get()
-            try:
-                if entry is None:
-                    return
-                _wait_for_idle_cores()
-                self._run(entry[0])
-            finally:
-                if entry is not None:
-                    with self._lock:
-                        self._pending_bytes -= entry[1]
-                self._queue.task_done()
+        run_queue(self._queue, self._write, f"{self._name}: a background write")
 
-    def _run(self, item: Any) -> None:
+    def _write(self, entry: tuple[WriteOp, int]) -> None:
+        op, nbytes = entry
         try:
-            self._apply(item)
+            wait_until_idle(timeout=MAX_WRITE_DELAY_S)
+            self._run(op)
+        finally:
+            with self._lock:
+                self._pending_bytes -= nbytes
+
+    def _run(self, op: WriteOp) -> None:
+        try:
+            op()
         except Exception:  # a failed cache write must never take the writer (or a request) down
-            logger.exception("%s: a background write failed", self._name)
+            logger.exception("%s: a write failed", self._name)
+
+
+class WriteBehindTier(KVStore):
+    """A tier whose writes run on a :class:`BackgroundWriter`.
+
+    :meth:`flush` waits for them; :meth:`close` (at most once, and at interpreter exit for a
+    tier still open) flushes, then :meth:`_release` lets the tier go of its files or sockets.
+    """
+
+    _writer: BackgroundWriter
+    _closed: bool
+
+    def _start_writer(
+        self, name: str, *, background: bool, max_items: int = 0, max_bytes: int | None = None
+    ) -> None:
+        """Start the tier's writer; call it last in ``__init__``, once the tier can take writes."""
+        self._writer = BackgroundWriter(
+            name=name, background=background, max_items=max_items, max_bytes=max_bytes
+        )
+        self._closed = False
+        close_at_exit(self, "stores")
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.close()
+        self._release()
+        forget_at_exit(self)
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Release the tier's files or connections; every queued write has run by then."""

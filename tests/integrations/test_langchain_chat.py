@@ -44,7 +44,9 @@ class KeywordRetriever(BaseRetriever):
 
 @pytest.fixture(scope="module")
 def documents() -> list[Document]:
-    return [Document(page_content=p, metadata={"i": i}) for i, p in enumerate(essay_paragraphs(6, max_chars=900))]
+    return [
+        Document(page_content=p, metadata={"i": i}) for i, p in enumerate(essay_paragraphs(6, max_chars=900))
+    ]
 
 
 def llm(**kw) -> ChatKVBoost:
@@ -102,8 +104,13 @@ def test_blend_reuses_prewarmed_documents_in_any_order_and_labels_them(documents
     report = answer.response_metadata["kvboost"]
     assert report["approx_tokens"] > 0  # documents found away from the position they were pre-warmed at
     assert answer.usage_metadata["input_token_details"]["cache_read"] == report["cached_tokens"]
-    assert report["cached_tokens"] + report["approx_tokens"] + report["recomputed_tokens"] == answer.usage_metadata["input_tokens"]
-    exact = rag_chain(llm(store_dir=str(tmp_path / "kv")), retriever, PARAGRAPH_PROMPT).invoke("Which point is made first?")
+    assert (
+        report["cached_tokens"] + report["approx_tokens"] + report["recomputed_tokens"]
+        == answer.usage_metadata["input_tokens"]
+    )
+    exact = rag_chain(llm(store_dir=str(tmp_path / "kv")), retriever, PARAGRAPH_PROMPT).invoke(
+        "Which point is made first?"
+    )
     assert exact.response_metadata["kvboost"]["approx_tokens"] == 0
 
 
@@ -157,11 +164,15 @@ def test_bad_messages_get_clear_errors():
 
 
 def test_batch_and_abatch_are_served_in_shared_batches(monkeypatch):
-    from kvboost_rag import engine as engine_module
+    from kvboost_rag import generation as engine_module
 
     sizes = []
     real = engine_module.run_batch
-    monkeypatch.setattr(engine_module, "run_batch", lambda a, t, rows, *rest: sizes.append(len(rows)) or real(a, t, rows, *rest))
+    monkeypatch.setattr(
+        engine_module,
+        "run_batch",
+        lambda a, t, rows, *rest: sizes.append(len(rows)) or real(a, t, rows, *rest),
+    )
     model = llm(max_tokens=8)
     questions = [[HumanMessage(f"Name a {thing}.")] for thing in ("color", "fruit", "city", "planet")]
     alone = [model.invoke(q).content for q in questions]

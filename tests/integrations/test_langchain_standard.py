@@ -43,7 +43,8 @@ class TestChatKVBoostIntegration(ChatModelIntegrationTests):
 
     @property
     def has_tool_calling(self) -> bool:
-        return False  # a 135M model does not call tools reliably; the tool suites run on Qwen2.5 (test_langchain_tools)
+        # a 135M model does not call tools reliably; the tool suites run on Qwen2.5 (test_langchain_tools)
+        return False
 
     @property
     def has_structured_output(self) -> bool:
@@ -55,7 +56,10 @@ class TestChatKVBoostIntegration(ChatModelIntegrationTests):
 
     @property
     def supported_usage_metadata_details(self) -> dict:
-        return {"invoke": ["cache_read_input", "cache_creation_input"], "stream": ["cache_read_input", "cache_creation_input"]}
+        return {
+            "invoke": ["cache_read_input", "cache_creation_input"],
+            "stream": ["cache_read_input", "cache_creation_input"],
+        }
 
     def _twice(self, *, stream: bool) -> tuple[AIMessage, AIMessage]:
         llm = ChatKVBoost(**INTEGRATION_PARAMS)

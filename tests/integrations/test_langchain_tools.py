@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 pytest.importorskip("langchain_tests")
@@ -56,8 +58,9 @@ class TestChatKVBoostToolCalling(ChatModelIntegrationTests):
         return True
 
     @pytest.mark.xfail(
-        reason="with tool_choice left to the model, Qwen2.5-Coder-0.5B puts the customer's name where the tool's "
-        "name goes; forced tool_choice gives the right call (test_forced_tool_call_and_structured_output)",
+        reason="with tool_choice left to the model, Qwen2.5-Coder-0.5B puts the customer's name "
+        "where the tool's name goes; forced tool_choice gives the right call "
+        "(test_forced_tool_call_and_structured_output)",
         strict=False,
     )
     def test_unicode_tool_call_integration(self, model, *args, **kwargs) -> None:
@@ -65,8 +68,15 @@ class TestChatKVBoostToolCalling(ChatModelIntegrationTests):
 
 
 def test_parse_hermes_tool_calls():
-    content, calls, invalid = hermes.parse('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>')
-    assert content == "Let me add." and calls[0]["name"] == "add" and calls[0]["args"] == {"a": 1} and not invalid
+    content, calls, invalid = hermes.parse(
+        'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    )
+    assert (
+        content == "Let me add."
+        and calls[0]["name"] == "add"
+        and calls[0]["args"] == {"a": 1}
+        and not invalid
+    )
     _, calls, invalid = hermes.parse('<tool_call>\n{"name": "add", "arguments": {"a": ')
     assert not calls and invalid and invalid[0]["args"].startswith('{"name"')
     assert hermes.parse("no tools here") == ("no tools here", [], [])
@@ -121,10 +131,13 @@ def test_agent_loop_reuses_the_kv_of_earlier_steps():
     replies = [m for m in state["messages"] if isinstance(m, AIMessage)]
     tool_results = [m for m in state["messages"] if isinstance(m, ToolMessage)]
     assert len(replies) >= 2, "a tool call, then another model step"
-    assert replies[0].tool_calls[0]["name"] == "add" and replies[0].tool_calls[0]["args"] == {"a": 12, "b": 30}
+    assert replies[0].tool_calls[0]["name"] == "add" and replies[0].tool_calls[0]["args"] == {
+        "a": 12,
+        "b": 30,
+    }
     assert tool_results and tool_results[0].content == "42"
     # (what a 0.5B model writes after the tool result is not asserted: its final prose is unreliable)
-    for previous, current in zip(replies, replies[1:]):
+    for previous, current in pairwise(replies):
         read = current.usage_metadata["input_token_details"]["cache_read"]
         # the system prompt, the tools and the earlier turns come from the store
         assert read >= previous.usage_metadata["input_tokens"] // 2, (read, previous.usage_metadata)

@@ -1,4 +1,5 @@
-"""KVBoost in LlamaIndex: a VectorStoreIndex over real essays, pre-warmed nodes, synthesizers, async, events."""
+"""KVBoost in LlamaIndex: a VectorStoreIndex over real essays, pre-warmed nodes, synthesizers,
+async, events."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ from llama_index.core.llms import ChatMessage, ImageBlock, TextBlock  # noqa: E4
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.core.query_engine import RetrieverQueryEngine  # noqa: E402
 from llama_index.core.schema import MetadataMode, TextNode  # noqa: E402
+from llama_index.llms.kvboost import KEY_METADATA, KVBoost, KVBoostUsageHandler, KVPrewarm  # noqa: E402
 
 from kvboost_rag import InvalidRequestError  # noqa: E402
 from kvboost_rag.shared import close_shared_engines  # noqa: E402
-from llama_index.llms.kvboost import KEY_METADATA, KVBoost, KVBoostUsageHandler, KVPrewarm  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -41,7 +42,9 @@ def counted(**kw) -> tuple[KVBoost, KVBoostUsageHandler, TokenCountingHandler]:
     return llm(callback_manager=CallbackManager([usage, tokens]), **kw), usage, tokens
 
 
-def query_engine(index: VectorStoreIndex, model: KVBoost, similarity_top_k: int = 2, **kw) -> RetrieverQueryEngine:
+def query_engine(
+    index: VectorStoreIndex, model: KVBoost, similarity_top_k: int = 2, **kw
+) -> RetrieverQueryEngine:
     # A synthesizer gives the LLM its own callback manager (Settings' by default): pass the LLM's along.
     synthesizer = get_response_synthesizer(llm=model, callback_manager=model.callback_manager, **kw)
     retriever = index.as_retriever(similarity_top_k=similarity_top_k)
@@ -82,7 +85,9 @@ def test_nodes_carry_their_key_hidden_from_llm_and_embedding_text(index, store_d
     for node in nodes:
         key = node.metadata[KEY_METADATA]
         assert engine.store.contains(key)
-        assert key not in node.get_content(MetadataMode.LLM) and key not in node.get_content(MetadataMode.EMBED)
+        assert key not in node.get_content(MetadataMode.LLM) and key not in node.get_content(
+            MetadataMode.EMBED
+        )
         assert "essay: part" in node.get_content(MetadataMode.LLM)  # other metadata still reaches the LLM
 
 
@@ -120,7 +125,10 @@ def test_blend_mode_reuses_every_prewarmed_node_and_says_so(index, store_dir):
     response = query_engine(index, model, similarity_top_k=3).query(QUESTION)
     assert str(response)
     [call] = usage.calls
-    node_tokens = sum(len(model.engine.canonicalizer.tokenize(n.node.get_content(MetadataMode.LLM))) for n in response.source_nodes)
+    node_tokens = sum(
+        len(model.engine.canonicalizer.tokenize(n.node.get_content(MetadataMode.LLM)))
+        for n in response.source_nodes
+    )
     assert call.approx_tokens > 0  # at least one node away from where it was pre-warmed
     # every node is reused, exactly (the top one, or a prefix stored by an earlier query) or blended
     assert call.cached_tokens + call.approx_tokens >= node_tokens
@@ -150,7 +158,9 @@ def test_compact_repacking_across_node_boundaries_stays_exact(index, store_dir):
     answer = engine.query(QUESTION)
     assert len(usage.calls) >= 2
     plain, _, _ = counted(store_dir=store_dir, context_window=700, max_new_tokens=8, reuse="off")
-    assert str(answer) == str(query_engine(index, plain, similarity_top_k=4, response_mode="compact").query(QUESTION))
+    assert str(answer) == str(
+        query_engine(index, plain, similarity_top_k=4, response_mode="compact").query(QUESTION)
+    )
 
 
 def test_pipeline_cache_skip_keeps_the_store_and_registry(essays, embed_model, tmp_path):
@@ -165,7 +175,9 @@ def test_pipeline_cache_skip_keeps_the_store_and_registry(essays, embed_model, t
             return super().prewarm(nodes)
 
     def run() -> list:
-        pipeline = IngestionPipeline(transformations=[splitter, CountingPrewarm(llm=llm(store_dir=store))], cache=cache)
+        pipeline = IngestionPipeline(
+            transformations=[splitter, CountingPrewarm(llm=llm(store_dir=store))], cache=cache
+        )
         return pipeline.run(documents=essays[:3])
 
     first = run()
@@ -178,13 +190,18 @@ def test_pipeline_cache_skip_keeps_the_store_and_registry(essays, embed_model, t
     query_engine(index, model, similarity_top_k=1).query(QUESTION)
     assert usage.calls[0].cached_tokens_by_tier.get("disk", 0) > 0
     # a memory-only store never matches the cache: its KV would be gone
-    assert CountingPrewarm(llm=llm()).to_dict()["kv_store"] != CountingPrewarm(llm=llm()).to_dict()["kv_store"]
+    assert (
+        CountingPrewarm(llm=llm()).to_dict()["kv_store"] != CountingPrewarm(llm=llm()).to_dict()["kv_store"]
+    )
     close_shared_engines()
 
 
 def test_chat_and_complete_go_through_the_chat_template():
     model = llm(max_new_tokens=8)
-    messages = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Say hello.")]
+    messages = [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="Say hello."),
+    ]
     chat = model.chat(messages)
     assert chat.message.role == "assistant" and chat.message.content
     assert chat.raw["usage"]["prompt_tokens"] > 0
@@ -260,7 +277,9 @@ def test_bad_input_gets_clear_errors():
     with pytest.raises(ValueError, match="has no text"):
         KVPrewarm(llm=llm())([TextNode(text="   ")])
     with pytest.raises(InvalidRequestError, match="ImageBlock"):
-        llm().chat([ChatMessage(role="user", blocks=[TextBlock(text="see"), ImageBlock(url="http://x/y.png")])])
+        llm().chat(
+            [ChatMessage(role="user", blocks=[TextBlock(text="see"), ImageBlock(url="http://x/y.png")])]
+        )
     with pytest.raises(InvalidRequestError, match="empty"):
         llm().chat([])
 
@@ -271,23 +290,35 @@ def test_a_custom_template_is_prewarmed_after_its_own_opening(embed_model, essay
     index = VectorStoreIndex.from_documents(
         essays[:3],
         embed_model=embed_model,
-        transformations=[SentenceSplitter(chunk_size=200, chunk_overlap=0), KVPrewarm(llm=model, template=template)],
+        transformations=[
+            SentenceSplitter(chunk_size=200, chunk_overlap=0),
+            KVPrewarm(llm=model, template=template),
+        ],
     )
     response = query_engine(index, model, text_qa_template=template, similarity_top_k=1).query(QUESTION)
-    node_tokens = len(model.engine.canonicalizer.tokenize(response.source_nodes[0].node.get_content(MetadataMode.LLM)))
+    node_tokens = len(
+        model.engine.canonicalizer.tokenize(response.source_nodes[0].node.get_content(MetadataMode.LLM))
+    )
     # the template's opening and the node, to within the chunk where the node ends (a newline follows it)
     assert usage.calls[0].cached_tokens > node_tokens - model.engine.chunk_size
     close_shared_engines()
 
 
 def test_concurrent_async_calls_share_batches(monkeypatch):
-    from kvboost_rag import engine as engine_module
+    from kvboost_rag import generation as engine_module
 
     sizes = []
     real = engine_module.run_batch
-    monkeypatch.setattr(engine_module, "run_batch", lambda a, t, rows, *rest: sizes.append(len(rows)) or real(a, t, rows, *rest))
+    monkeypatch.setattr(
+        engine_module,
+        "run_batch",
+        lambda a, t, rows, *rest: sizes.append(len(rows)) or real(a, t, rows, *rest),
+    )
     model = llm(max_new_tokens=8)
-    questions = [[ChatMessage(role="user", content=f"Name a {thing}.")] for thing in ("color", "fruit", "city", "planet")]
+    questions = [
+        [ChatMessage(role="user", content=f"Name a {thing}.")]
+        for thing in ("color", "fruit", "city", "planet")
+    ]
     alone = [model.chat(q).message.content for q in questions]
 
     async def together():

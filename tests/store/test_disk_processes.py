@@ -51,7 +51,7 @@ def writer(directory: str, w: int, start, results) -> None:
                 store.flush()  # let readers see some entries while others are still on their way
         store.close()
         results.put(("writer", w, None))
-    except BaseException:
+    except BaseException:  # noqa: BLE001  (whatever it is, the parent process must hear of it)
         results.put(("writer", w, traceback.format_exc()))
 
 
@@ -80,7 +80,7 @@ def reader(directory: str, r: int, start, stop, results) -> None:
         corrupt = store.stats()["disk"].extra.get("corrupt", 0)
         store.close()
         results.put(("reader", r, (hits, misses, bad, corrupt)))
-    except BaseException:
+    except BaseException:  # noqa: BLE001  (whatever it is, the parent process must hear of it)
         results.put(("reader", r, traceback.format_exc()))
 
 
@@ -119,7 +119,7 @@ def test_concurrent_writers_and_readers_share_one_directory(tmp_path):
     for r in range(READERS):
         value = outcome["reader", r]
         assert not isinstance(value, str), value  # a traceback
-        hits, misses, bad, corrupt = value
+        _hits, _misses, bad, corrupt = value
         assert bad == [], f"reader {r} got wrong or missing chunks: {bad[:5]}"
         assert corrupt == 0, f"reader {r} took {corrupt} entries for corrupt"
 

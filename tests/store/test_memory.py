@@ -363,7 +363,7 @@ def test_concurrent_puts_and_gets_keep_accounting_consistent():
                     gets[t] += 1
                 if rng.random() < 0.05:
                     store.remove(f"k{rng.randrange(64)}")
-        except Exception as e:  # pragma: no cover - reported below
+        except Exception as e:  # noqa: BLE001  # pragma: no cover - reported below
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]

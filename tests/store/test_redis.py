@@ -22,15 +22,19 @@ from helpers import assert_same_chunk, tiny_model, tiny_tokenizer
 
 from kvboost_rag import EngineConfig, KVBoostEngine
 from kvboost_rag.canonical import Segment
+from kvboost_rag.registry import Source
 from kvboost_rag.store.base import StoredChunk
+from kvboost_rag.store.memory import MemoryStore
 from kvboost_rag.store.serialization import encode
+from kvboost_rag.store.tiered import TieredStore
 
 redis = pytest.importorskip("redis")
 from kvboost_rag.store.redis import RedisStore  # noqa: E402  (after the skip when redis-py is absent)
+from kvboost_rag.store.redis_options import RedisOptions  # noqa: E402
 
 NS = "model-a|tok|float32|v1"
 LOGGER = "kvboost_rag.store.redis"
-FAST = dict(connect_timeout_s=0.2, timeout_s=0.3, backoff_s=0.2)
+FAST = {"connect_timeout_s": 0.2, "timeout_s": 0.3, "backoff_s": 0.2}
 """Short timeouts and back-off, so failure tests stay quick."""
 SLACK_S = 0.5
 """Allowance for a loaded machine on top of a timeout."""
@@ -71,8 +75,20 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--dir", str(self.directory), *self.extra]
+        cmd = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.directory),
+            *self.extra,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while True:
@@ -306,6 +322,82 @@ def test_pin_of_a_missing_key_is_false(store):
     assert store.pin(key(9)) is False
 
 
+def test_remove_deletes_the_payload_and_its_records(store, raw):
+    store.put(key(1), chunk(seed=1), pin=True)
+    store.put(key(2), chunk(seed=2))
+    store.flush()
+    assert store.remove(key(1)) is True
+    assert store.remove(key(1)) is False and store.remove(key(9)) is False
+    assert not raw.exists(f"kvboost:{NS}:{key(1)}")
+    s = redis_stats(store)
+    assert (s.entries, s.pinned, s.bytes) == (1, 0, len(encode(chunk(seed=2), NS, key(2))))
+
+
+def test_clear_empties_the_namespace_and_keeps_registry_records_and_other_namespaces(url):
+    ns = "model[a]*?|tok"  # glob characters in a namespace are taken literally
+    a = RedisStore(url, namespace=ns, background_writes=False)
+    lookalike = RedisStore(
+        url, namespace="modelaXY|tok", background_writes=False
+    )  # what the raw glob matches
+    other = RedisStore(url, namespace="model-b", background_writes=False)
+    for s in (a, lookalike, other):
+        s.put(key(1), chunk(seed=1), pin=True)
+    records = a.shared_records()
+    records.publish_documents([DOCUMENT])
+    records.publish_sources({"content": Source(key(1), 0)})
+    a.clear()
+    assert not a.contains(key(1)) and a.get(key(1)) is None
+    s = redis_stats(a)
+    assert (s.entries, s.bytes, s.pinned, s.puts) == (0, 0, 0, 1)
+    assert lookalike.contains(key(1)) and other.contains(key(1))
+    assert a.source("content") == Source(key(1), 0)  # the registry records stay
+    assert a.shared_records().new_documents() == [DOCUMENT]
+    a.put(key(2), chunk(seed=2))
+    assert a.get(key(2)) is not None and redis_stats(a).entries == 1
+    for s in (a, lookalike, other):
+        s.close()
+
+
+def test_a_redis_hit_keeps_its_cost_when_promoted_to_memory(store):
+    store.put(key(1), chunk(seed=1), cost=77.0)
+    store.flush()
+    memory = MemoryStore(1 << 20)
+    tiered = TieredStore([memory, store])
+    hit = tiered.get(key(1))
+    assert hit.tier == "redis" and hit.cost == 77.0
+    assert memory.get(key(1)).cost == 77.0
+
+
+def test_write_backs_are_callables(store, monkeypatch):
+    """Every queued write (put, touch, registry records) is a zero-argument callable, not a tagged tuple."""
+    queued = []
+    submit = store._writer.submit
+    monkeypatch.setattr(store._writer, "submit", lambda op, nbytes=0: queued.append(op) or submit(op, nbytes))
+    store.put(key(1), chunk(seed=1))
+    store.flush()
+    store.get(key(1))
+    records = store.shared_records()
+    records.publish_documents([DOCUMENT])
+    records.publish_sources({"content": Source(key(1), 0)})
+    store.flush()
+    assert len(queued) == 4 and all(callable(op) and not isinstance(op, tuple) for op in queued)
+    assert records.new_documents() == [DOCUMENT] and records.source("content") == Source(key(1), 0)
+
+
+def test_options_are_one_object_and_single_fields_override_it(url):
+    options = RedisOptions(ttl_s=5.0, key_prefix="p", background_writes=False)
+    s = RedisStore(url, namespace=NS, options=options, key_prefix="q")
+    assert s.options == RedisOptions(ttl_s=5.0, key_prefix="q", background_writes=False)
+    assert (s.ttl_s, s.key_prefix) == (5.0, "q")
+    s.close()
+    with pytest.raises(TypeError):
+        RedisStore(url, namespace=NS, timeout=1)
+    with pytest.raises(ValueError, match="ttl_s=0"):
+        RedisOptions(ttl_s=0)
+    with pytest.raises(ValueError, match="max_bytes=-1"):
+        RedisStore(url, namespace=NS, max_bytes=-1)
+
+
 # -- garbage and failures ------------------------------------------------------------------
 
 
@@ -327,7 +419,7 @@ def test_garbage_values_are_counted_misses_and_removed(store, raw, caplog):
     assert not any(raw.exists(f"kvboost:{NS}:{key(i)}") for i in (2, 3, 4, 5))
     assert "unusable" in caplog.text
     assert len([r for r in caplog.records if r.name == LOGGER]) == 1, "warnings are rate-limited"
-    assert_same_chunk(store.get(key(1)).chunk, good), "the good entry is untouched and Redis was not written off"
+    assert_same_chunk(store.get(key(1)).chunk, good)  # untouched, and Redis was not written off
 
 
 def test_a_hung_server_is_a_miss_within_the_timeout(blackhole, caplog):
@@ -412,8 +504,13 @@ def test_password_from_the_url_or_an_argument(start_redis):
 
 
 def test_tls_settings_pass_through_and_need_rediss():
-    s = RedisStore("rediss://cache.example:6380/2", namespace=NS, ssl_ca_certs="/ca.pem",
-                   client_options={"ssl_cert_reqs": "none"}, background_writes=False)
+    s = RedisStore(
+        "rediss://cache.example:6380/2",
+        namespace=NS,
+        ssl_ca_certs="/ca.pem",
+        client_options={"ssl_cert_reqs": "none"},
+        background_writes=False,
+    )
     kw = s._client.get_connection_kwargs()
     assert kw["ssl_ca_certs"] == "/ca.pem" and kw["ssl_cert_reqs"] == "none"
     assert kw["socket_connect_timeout"] == 0.5 and kw["socket_timeout"] == 2.0
@@ -455,8 +552,9 @@ def same_answer(a, b) -> bool:
 def test_config_wiring(tiny, url, tmp_path):
     cfg = EngineConfig(redis_url="redis://:hunter2@127.0.0.1:1/0")
     assert "hunter2" not in repr(cfg)
-    with engine_with(tiny, redis_url=url, redis_ttl_s=60, max_redis_bytes=1 << 20,
-                     redis_key_prefix="x", redis_options=FAST) as engine:
+    with engine_with(
+        tiny, redis_url=url, redis_ttl_s=60, max_redis_bytes=1 << 20, redis_key_prefix="x", redis_options=FAST
+    ) as engine:
         names = [t.name for t in engine.store.tiers]
         assert names == ["memory", "redis"]
         red = engine.store.tiers[-1]
@@ -472,11 +570,11 @@ def test_config_wiring(tiny, url, tmp_path):
 def test_answers_stay_exact_when_redis_dies_mid_run(tiny, server, caplog, monkeypatch):
     prompt = [PREFIX, Segment(DOCUMENT, "document"), QUESTION]
     other = [PREFIX, Segment(OTHER_DOCUMENT, "document"), QUESTION]
-    gen = dict(max_new_tokens=6, return_logits=True)
+    gen = {"max_new_tokens": 6, "return_logits": True}
     reference = engine_with(tiny)
     ref = reference.generate(prompt, reuse="off", **gen)
     ref_other = reference.generate(other, reuse="off", **gen)
-    cfg = dict(redis_url=server.url, redis_options=FAST)
+    cfg = {"redis_url": server.url, "redis_options": FAST}
 
     with engine_with(tiny, **cfg) as writer:
         assert writer.generate(prompt, **gen).usage.stored_tokens > 0
@@ -552,9 +650,9 @@ def test_a_document_prewarmed_by_one_process_is_a_full_hit_in_another(model_dir,
     folder = tmp_path / "docs"
     folder.mkdir()
     (folder / "doc.txt").write_text(DOCUMENT)
-    cmd = [sys.executable, "-m", "kvboost_rag.cli", "prewarm", str(folder), "--model", str(model_dir),
-           "--dtype", "float32", "--chunk-size", "16", "--store", str(tmp_path / "private-disk"),
-           "--prefix", PREFIX, "--redis-url", url, "--quiet"]
+    cmd = [sys.executable, "-m", "kvboost_rag.cli", "prewarm", str(folder), "--model", str(model_dir)]
+    cmd += ["--dtype", "float32", "--chunk-size", "16", "--store", str(tmp_path / "private-disk")]
+    cmd += ["--prefix", PREFIX, "--redis-url", url, "--quiet"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "prewarmed 1 documents" in done.stdout
@@ -562,7 +660,7 @@ def test_a_document_prewarmed_by_one_process_is_a_full_hit_in_another(model_dir,
     # This process: fresh memory, no store directory, only the Redis server in common.
     engine = KVBoostEngine.from_pretrained(str(model_dir), dtype="float32", chunk_size=16, redis_url=url)
     doc_tokens = len(engine.canonicalize(PREFIX + DOCUMENT))
-    gen = dict(max_new_tokens=8, return_logits=True)
+    gen = {"max_new_tokens": 8, "return_logits": True}
     reference = engine.generate(PREFIX + DOCUMENT + QUESTION, reuse="off", **gen)
 
     flat = engine.generate(PREFIX + DOCUMENT + QUESTION, **gen)
@@ -576,10 +674,10 @@ def test_framework_adapters_pass_the_redis_url_and_hide_it(monkeypatch):
     """ChatKVBoost and KVBoost open their shared engine with the Redis tier; a password never shows."""
     pytest.importorskip("langchain_core")
     pytest.importorskip("llama_index.core")
-    from langchain_kvboost import ChatKVBoost
     from llama_index.llms.kvboost import KVBoost
 
     from kvboost_rag import shared
+    from langchain_kvboost import ChatKVBoost
 
     seen = []
     monkeypatch.setattr(shared, "shared_engine", lambda spec: seen.append(spec))

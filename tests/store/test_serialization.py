@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvboost_rag.store.base import StoredChunk
-from kvboost_rag.store.serialization import MAGIC, CorruptEntryError, decode, encode
+from kvboost_rag.store.serialization import MAGIC, CorruptEntryError, decode, decode_entry, encode
 
 NS, KEY = "model-a|tok-a|float32|v1", "0f" * 32
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -353,3 +353,40 @@ def test_token_count_that_disagrees_with_the_kv_is_refused():
     data = encode(make_chunk(torch.float32), NS, KEY)  # 5 tokens
     with pytest.raises(CorruptEntryError):
         decode(with_header(data, token_ids=[1, 2, 3]), NS, KEY)
+
+
+# -- recompute cost ----------------------------------------------------------------------
+
+
+def test_the_cost_travels_with_the_entry():
+    data = encode(make_chunk(), NS, KEY, cost=42.5)
+    entry = decode_entry(data, NS, KEY)
+    assert entry.cost == 42.5
+    assert_bitwise(entry.chunk.kv, make_chunk().kv)
+    assert decode_entry(encode(make_chunk(), NS, KEY), NS, KEY).cost == 1.0  # put's default
+
+
+def test_an_entry_written_before_costs_has_none():
+    import xxhash
+
+    data = encode(make_chunk(), NS, KEY, cost=7.0)
+    header, start = split(data)
+    del header["cost"]  # as entries were written before costs were stored
+    head = json.dumps(header, separators=(",", ":")).encode()
+    digest = xxhash.xxh3_128(head + data[start:]).digest()
+    legacy = MAGIC + struct.pack("<I", len(head)) + head + digest + data[start:]
+    entry = decode_entry(legacy, NS, KEY)
+    assert entry.cost is None
+    assert_bitwise(entry.chunk.kv, make_chunk().kv)
+
+
+@pytest.mark.parametrize("cost", [-1.0, "12", True, [1.0]], ids=str)
+def test_a_bad_cost_is_refused(cost):
+    with pytest.raises(CorruptEntryError, match="cost"):
+        decode_entry(with_header(encode(make_chunk(), NS, KEY), cost=cost), NS, KEY)
+
+
+@pytest.mark.parametrize("value", [None, "text", 1.5, ["list"]], ids=str)
+def test_decode_entry_refuses_values_that_are_not_bytes(value):
+    with pytest.raises(CorruptEntryError, match="not bytes"):
+        decode_entry(value, NS, KEY)

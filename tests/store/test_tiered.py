@@ -39,6 +39,22 @@ def tiers(tmp_path):
     store.close()
 
 
+@pytest.fixture
+def tight(tmp_path):
+    """Factory: ``tight(n)`` gives tiers whose memory holds only ``n`` test chunks; closed after the test."""
+    made: list[TieredStore] = []
+
+    def make(chunks: int) -> tuple[TieredStore, MemoryStore, DiskStore]:
+        memory = MemoryStore(max_bytes=chunks * chunk().nbytes)
+        disk = DiskStore(tmp_path / f"store-{len(made)}", namespace=NS)
+        made.append(TieredStore([memory, disk]))
+        return made[-1], memory, disk
+
+    yield make
+    for store in made:
+        store.close()
+
+
 def test_needs_a_tier():
     with pytest.raises(ValueError):
         TieredStore([])
@@ -103,7 +119,7 @@ def test_put_with_pin_pins_in_both_tiers(tiers):
 
 
 def test_pin_pins_in_both_tiers(tiers):
-    store, memory, disk = tiers
+    store, _, _ = tiers
     store.put(key(1), chunk())
     store.flush()
     assert store.pin(key(1)) is True
@@ -131,21 +147,15 @@ def test_pin_of_an_unknown_key_is_false(tiers):
     assert store.pin(key(404)) is False
 
 
-def test_pinned_entry_survives_memory_pressure_in_the_memory_tier(tmp_path):
-    one = chunk().nbytes
-    memory = MemoryStore(max_bytes=2 * one)
-    disk = DiskStore(tmp_path / "store", namespace=NS)
-    store = TieredStore([memory, disk])
-    try:
-        store.put(key(0), chunk(seed=0))
-        store.flush()
-        assert store.pin(key(0))
-        for i in range(1, 6):
-            store.put(key(i), chunk(seed=i), cost=100.0)
-        assert memory.contains(key(0))
-        assert store.get(key(0)).tier == "memory"
-    finally:
-        store.close()
+def test_pinned_entry_survives_memory_pressure_in_the_memory_tier(tight):
+    store, memory, _ = tight(2)
+    store.put(key(0), chunk(seed=0))
+    store.flush()
+    assert store.pin(key(0))
+    for i in range(1, 6):
+        store.put(key(i), chunk(seed=i), cost=100.0)
+    assert memory.contains(key(0))
+    assert store.get(key(0)).tier == "memory"
 
 
 def test_stats_merge_both_tier_names(tiers):
@@ -167,21 +177,15 @@ def test_contains(tiers):
     assert s["memory"].hits == s["memory"].misses == s["disk"].hits == s["disk"].misses == 0
 
 
-def test_evicted_from_memory_is_still_served_from_disk(tmp_path):
-    one = chunk().nbytes
-    memory = MemoryStore(max_bytes=one)
-    disk = DiskStore(tmp_path / "store", namespace=NS)
-    store = TieredStore([memory, disk])
-    try:
-        store.put(key(1), chunk(seed=1))
-        store.put(key(2), chunk(seed=2))
-        store.flush()
-        assert not memory.contains(key(1))
-        hit = store.get(key(1))
-        assert hit.tier == "disk" and same(hit.chunk, chunk(seed=1))
-        assert store.get(key(1)).tier == "memory"
-    finally:
-        store.close()
+def test_evicted_from_memory_is_still_served_from_disk(tight):
+    store, memory, _ = tight(1)
+    store.put(key(1), chunk(seed=1))
+    store.put(key(2), chunk(seed=2))
+    store.flush()
+    assert not memory.contains(key(1))
+    hit = store.get(key(1))
+    assert hit.tier == "disk" and same(hit.chunk, chunk(seed=1))
+    assert store.get(key(1)).tier == "memory"
 
 
 def test_survives_a_restart_through_the_disk_tier(tmp_path):
@@ -194,3 +198,57 @@ def test_survives_a_restart_through_the_disk_tier(tmp_path):
         assert same(second.get(key(1)).chunk, chunk(seed=5, logits=True))
     finally:
         second.close()
+
+
+# -- recompute cost across promotion -------------------------------------------------------
+
+
+def test_promotion_keeps_the_cost_the_entry_was_stored_with(tiers):
+    store, memory, disk = tiers
+    disk.put(key(1), chunk(seed=1), cost=123.5)
+    disk.flush()
+    hit = store.get(key(1))
+    assert hit.tier == "disk" and hit.cost == 123.5
+    assert memory.get(key(1)).cost == 123.5  # not the chunk's length, not the default
+
+
+def test_promotion_of_an_entry_without_a_recorded_cost_weighs_it_by_its_length():
+    """An entry written before costs were stored is promoted as it was then: cost = its tokens."""
+
+    class Legacy(MemoryStore):
+        name = "legacy"
+
+        def get(self, key):
+            hit = super().get(key)
+            return None if hit is None else hit._replace(tier=self.name, cost=None)
+
+    memory, legacy = MemoryStore(1 << 20), Legacy(1 << 20)
+    legacy.put(key(1), chunk(tokens=6), cost=99.0)
+    store = TieredStore([memory, legacy])
+    assert store.get(key(1)).tier == "legacy"
+    assert memory.get(key(1)).cost == 6
+
+
+def test_a_promoted_entry_keeps_its_rank_in_memory(tight):
+    """A costly entry read back from disk is not the first to go when memory fills up."""
+    store, memory, disk = tight(2)
+    disk.put(key(1), chunk(seed=1), cost=1000.0)
+    disk.flush()
+    store.get(key(1))  # promoted with its cost
+    store.put(key(2), chunk(seed=2), cost=1.0)
+    store.put(key(3), chunk(seed=3), cost=1.0)
+    assert memory.contains(key(1)) and not memory.contains(key(2))
+
+
+def test_remove_and_clear_reach_every_tier(tiers):
+    store, memory, disk = tiers
+    store.put(key(1), chunk(seed=1))
+    disk.put(key(2), chunk(seed=2))  # in one tier only
+    store.flush()
+    assert store.remove(key(2)) is True and not disk.contains(key(2))
+    assert store.remove(key(1)) is True
+    assert not memory.contains(key(1)) and not disk.contains(key(1))
+    store.put(key(3), chunk(seed=3))
+    store.flush()
+    store.clear()
+    assert not memory.contains(key(3)) and not disk.contains(key(3))

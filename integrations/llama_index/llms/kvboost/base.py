@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -22,27 +22,13 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
+from llama_index.llms.kvboost.messages import to_chat_messages
 from pydantic import Field
 
-from llama_index.llms.kvboost.messages import to_chat_messages
-
 if TYPE_CHECKING:
-    from kvboost_rag import GenerationResult, KVBoostEngine, StreamChunk
+    from kvboost_rag import GenerationResult, KVBoostEngine, Request, StreamChunk
 
 logger = logging.getLogger(__name__)
-
-# Per-call options a caller may pass as keyword arguments, and the engine argument each sets.
-_CALL_OPTIONS = {
-    "max_new_tokens": "max_new_tokens",
-    "max_tokens": "max_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "seed": "seed",
-    "stop": "stop",
-    "reuse": "reuse",
-    "blend_recompute_ratio": "blend_recompute_ratio",
-}
 
 T = TypeVar("T")
 
@@ -81,20 +67,28 @@ class KVBoost(LLM):
         description="Alias (smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct), HF model id or local path.",
     )
     store_dir: str | None = Field(
-        default=None, description="KV store directory shared across processes and restarts; None: memory only."
+        default=None,
+        description="KV store directory shared across processes and restarts; None: memory only.",
     )
     redis_url: str | None = Field(
-        default=None, repr=False, description="Shared Redis tier (redis://host:port/0) read by every worker; None: off."
+        default=None,
+        repr=False,
+        description="Shared Redis tier (redis://host:port/0) read by every worker; None: off.",
     )
     dtype: str = Field(
-        default="auto", description="Weights and KV dtype: auto (bfloat16 where native, else float32), bfloat16, float32."
+        default="auto",
+        description="Weights and KV dtype: auto (bfloat16 where native, else float32), bfloat16, float32.",
     )
-    device: str | None = Field(default=None, description="Torch device (cpu, cuda); None: the loader's default.")
+    device: str | None = Field(
+        default=None, description="Torch device (cpu, cuda); None: the loader's default."
+    )
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
     max_new_tokens: int = Field(default=256, gt=0, description="Most tokens to generate per call.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(default=0, ge=0, description="Sample among the k most likely tokens; 0 disables.")
-    seed: int | None = Field(default=None, description="Seed for sampling; the same seed gives the same tokens.")
+    seed: int | None = Field(
+        default=None, description="Seed for sampling; the same seed gives the same tokens."
+    )
     stop: list[str] | None = Field(default=None, description="Stop strings, trimmed from the output.")
     reuse: Literal["exact", "blend", "off"] = Field(
         default="exact",
@@ -104,11 +98,15 @@ class KVBoost(LLM):
         ),
     )
     blend_recompute_ratio: float | None = Field(
-        default=None, ge=0.0, le=1.0,
-        description="Blend mode: share of reused node tokens recomputed (None: the engine's blend_recompute_ratio).",
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Blend mode: share of reused node tokens recomputed (None: the engine's setting).",
     )
     chunk_size: int | None = Field(
-        default=None, gt=0, description="Tokens per stored chunk, the granularity of exact reuse (None: the engine's)."
+        default=None,
+        gt=0,
+        description="Tokens per stored chunk, the granularity of exact reuse (None: the engine's).",
     )
     context_window: int | None = Field(
         default=None, gt=0, description="Context window reported to LlamaIndex; None: the model's own."
@@ -123,9 +121,9 @@ class KVBoost(LLM):
         """The shared engine (loaded on first use)."""
         from kvboost_rag.shared import EngineSpec, shared_engine
 
-        return shared_engine(EngineSpec(
-            self.model, self.dtype, self.device, self.store_dir, self.chunk_size, self.redis_url
-        ))
+        return shared_engine(
+            EngineSpec(self.model, self.dtype, self.device, self.store_dir, self.chunk_size, self.redis_url)
+        )
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -150,7 +148,7 @@ class KVBoost(LLM):
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        """Complete ``prompt`` as a user turn of the chat template (``formatted=True``: the prompt is sent as is)."""
+        """Complete ``prompt`` as a user turn of the chat template (``formatted=True``: sent as is)."""
         return self._complete(prompt, formatted, kwargs)
 
     @llm_completion_callback()
@@ -163,7 +161,7 @@ class KVBoost(LLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         engine = await self._aengine()
-        result = await engine.agenerate(**self._request(to_chat_messages(messages), kwargs))
+        result = await engine.agenerate(self._request(to_chat_messages(messages), kwargs))
         return _chat_response(result)
 
     @llm_chat_callback()
@@ -174,7 +172,7 @@ class KVBoost(LLM):
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         engine = await self._aengine()
-        result = await engine.agenerate(**self._request(self._completion_prompt(prompt, formatted), kwargs))
+        result = await engine.agenerate(self._request(self._completion_prompt(prompt, formatted), kwargs))
         return CompletionResponse(text=result.text, raw=_raw(result))
 
     @llm_completion_callback()
@@ -189,27 +187,13 @@ class KVBoost(LLM):
     async def _aengine(self) -> KVBoostEngine:
         return await asyncio.to_thread(lambda: self.engine)  # the first use loads the model
 
-    def _request(self, prompt: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-        request: dict[str, Any] = {
-            "prompt": prompt,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "stop": list(self.stop or []),
-            "reuse": self.reuse,
-            "blend_recompute_ratio": self.blend_recompute_ratio,
-        }
-        for name, value in kwargs.items():
-            target = _CALL_OPTIONS.get(name)
-            if target == "stop":
-                request["stop"] += [value] if isinstance(value, str) else list(value or [])
-            elif target is not None:
-                request[target] = value
-            else:  # frameworks pass provider options freely; say which ones have no effect here
-                logger.debug("KVBoost ignores the option %r", name)
-        request["stop"] = request["stop"] or None
+    def _request(self, prompt: Any, kwargs: dict[str, Any]) -> Request:
+        from kvboost_rag.shared import request_for
+
+        options = dict(kwargs)
+        request = request_for(prompt, self, options)
+        for name in options:  # frameworks pass provider options freely; say which ones have no effect here
+            logger.debug("KVBoost ignores the option %r", name)
         return request
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> Any:
@@ -219,9 +203,9 @@ class KVBoost(LLM):
         return to_chat_messages(messages)
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        return _chat_response(self.engine.generate(**self._request(to_chat_messages(messages), kwargs)))
+        return _chat_response(self.engine.generate(self._request(to_chat_messages(messages), kwargs)))
 
-    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> Iterator[ChatResponse]:
+    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
         request = self._request(to_chat_messages(messages), kwargs)  # bad input fails at the call
         return (
             ChatResponse(
@@ -229,20 +213,20 @@ class KVBoost(LLM):
                 delta=piece.text,
                 raw=None if piece.result is None else _raw(piece.result),
             )
-            for text, piece in _accumulate(self.engine.stream(**request))
+            for text, piece in _accumulate(self.engine.stream(request))
         )
 
     def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
-        result = self.engine.generate(**self._request(self._completion_prompt(prompt, formatted), kwargs))
+        result = self.engine.generate(self._request(self._completion_prompt(prompt, formatted), kwargs))
         return CompletionResponse(text=result.text, raw=_raw(result))
 
-    def _stream_complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> Iterator[CompletionResponse]:
+    def _stream_complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
         request = self._request(self._completion_prompt(prompt, formatted), kwargs)
         return (
             CompletionResponse(
                 text=text, delta=piece.text, raw=None if piece.result is None else _raw(piece.result)
             )
-            for text, piece in _accumulate(self.engine.stream(**request))
+            for text, piece in _accumulate(self.engine.stream(request))
         )
 
 
@@ -257,20 +241,22 @@ def _accumulate(pieces: Iterator[StreamChunk]) -> Iterator[tuple[str, StreamChun
 _DONE = object()
 
 
-async def _in_worker_thread(items: Iterator[T]) -> AsyncIterator[T]:
-    """Iterate a blocking iterator in worker threads, one step at a time."""
+async def _in_worker_thread(items: Generator[T, None, None]) -> AsyncGenerator[T, None]:
+    """Iterate a blocking generator in worker threads, one step at a time."""
     try:
         while (item := await asyncio.to_thread(next, items, _DONE)) is not _DONE:
-            yield item  # type: ignore[misc]
+            yield cast(T, item)
     finally:
         # A step still running in its thread (the caller was cancelled) cannot be closed now;
         # the generator is then closed when it is collected.
         with contextlib.suppress(ValueError):
-            items.close()  # type: ignore[attr-defined]
+            items.close()
 
 
 def _chat_response(result: GenerationResult) -> ChatResponse:
-    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text), raw=_raw(result))
+    return ChatResponse(
+        message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text), raw=_raw(result)
+    )
 
 
 def _raw(result: GenerationResult) -> dict[str, Any]:

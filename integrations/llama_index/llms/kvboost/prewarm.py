@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING, Any
 from llama_index.core.prompts import BasePromptTemplate, SelectorPromptTemplate
 from llama_index.core.prompts.default_prompt_selectors import DEFAULT_TEXT_QA_PROMPT_SEL
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
-from pydantic import Field, PrivateAttr, model_validator
-
 from llama_index.llms.kvboost.base import KVBoost
 from llama_index.llms.kvboost.messages import to_chat_messages
+from pydantic import Field, PrivateAttr, model_validator
 
 if TYPE_CHECKING:
     from kvboost_rag import PrewarmReport, Segment
@@ -27,7 +26,7 @@ _MARKER = "\x02kvboost-context\x03"
 
 
 class KVPrewarm(TransformComponent):
-    """Pre-warm each node's KV at indexing time, right after the text that precedes the context in the QA prompt.
+    """Pre-warm each node's KV at indexing time, after the text that precedes the context in the QA prompt.
 
     Response synthesizers paste node texts (``node.get_content(MetadataMode.LLM)``)
     into ``text_qa_template`` after a fixed opening (system prompt, "Context
@@ -63,7 +62,9 @@ class KVPrewarm(TransformComponent):
     template: BasePromptTemplate | None = Field(
         default=None, description="The query engine's text_qa_template; None: LlamaIndex's default."
     )
-    context_variable: str = Field(default="context_str", description="The template variable the nodes go into.")
+    context_variable: str = Field(
+        default="context_str", description="The template variable the nodes go into."
+    )
     template_variables: dict[str, str] = Field(
         default_factory=dict, description="Values of template variables that come before the context."
     )

@@ -25,6 +25,17 @@ class LLMCallUsage:
     """From the call to the first generated token."""
 
 
+class _Total:
+    """A handler attribute: the sum of the same-named field over the calls recorded so far."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, handler: KVBoostUsageHandler | None, owner: type | None = None) -> int:
+        assert handler is not None, "a total of a handler instance"
+        return sum(getattr(call, self.name) for call in handler.calls)
+
+
 class KVBoostUsageHandler(BaseCallbackHandler):
     """Collect the token usage and KV reuse of every KVBoost call, like ``TokenCountingHandler``.
 
@@ -42,39 +53,36 @@ class KVBoostUsageHandler(BaseCallbackHandler):
             usage.reset()
     """
 
+    prompt_tokens = _Total()
+    cached_tokens = _Total()
+    approx_tokens = _Total()
+    recomputed_tokens = _Total()
+
     def __init__(self) -> None:
         super().__init__(event_starts_to_ignore=[], event_ends_to_ignore=[])
         self._lock = threading.Lock()
         self.calls: list[LLMCallUsage] = []
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(c.prompt_tokens for c in self.calls)
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(c.cached_tokens for c in self.calls)
-
-    @property
-    def approx_tokens(self) -> int:
-        return sum(c.approx_tokens for c in self.calls)
-
-    @property
-    def recomputed_tokens(self) -> int:
-        return sum(c.recomputed_tokens for c in self.calls)
 
     def reset(self) -> None:
         with self._lock:
             self.calls = []
 
     def on_event_start(
-        self, event_type: CBEventType, payload: dict[str, Any] | None = None, event_id: str = "",
-        parent_id: str = "", **kwargs: Any,
+        self,
+        event_type: CBEventType,
+        payload: dict[str, Any] | None = None,
+        event_id: str = "",
+        parent_id: str = "",
+        **kwargs: Any,
     ) -> str:
         return event_id
 
     def on_event_end(
-        self, event_type: CBEventType, payload: dict[str, Any] | None = None, event_id: str = "", **kwargs: Any
+        self,
+        event_type: CBEventType,
+        payload: dict[str, Any] | None = None,
+        event_id: str = "",
+        **kwargs: Any,
     ) -> None:
         if event_type != CBEventType.LLM or not payload:
             return

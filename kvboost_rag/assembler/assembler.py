@@ -1,13 +1,8 @@
-"""Assembler: the only module that touches transformers' Cache API and model forward.
-
-Stored chunks are laid into a cache, new tokens are run through the model over
-that cache, and the KV of freshly computed chunks is cut back out.
+"""The Assembler: lays stored chunks into a cache, runs the model over it, cuts new KV back out.
 
 Layouts:
 - transformers cache layer: keys/values ``[batch, kv_heads, seq, head_dim]`` (batch 1 except in batches);
-  our buffered layers keep ``[batch, kv_heads, capacity, head_dim]`` with ``capacity`` a whole number of
-  512-key blocks, zeros past the tokens held, and hand out views of the first ``seq`` slots (or of
-  whole key blocks, for the split-invariant attention)
+  our buffered layers (:mod:`.buffered_cache`) keep whole 512-key blocks and hand out views
 - a stored chunk: ``[layers, 2, kv_heads, tokens, head_dim]``
 """
 
@@ -19,82 +14,19 @@ import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
 
-from . import block_attention, chunk_attention
+from .. import block_attention, chunk_attention
+from .buffered_cache import BufferedCache, buffered_layers, kv_layers
 
-
-class _BufferedLayer(DynamicLayer):
-    """A full-attention layer that appends into a preallocated buffer.
-
-    transformers' ``DynamicLayer`` concatenates on every update, which copies the
-    whole past on each prefill step and each decoded token; writing into a
-    buffer that grows geometrically makes appends cost only the new tokens.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity = block_attention.round_up(max(capacity, 1), block_attention.KEY_BLOCK)
-        self.length = 0
-        self.pad_keys = False
-        """Return the keys and values padded to whole key blocks (for the split-invariant attention)."""
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        batch, heads, _, dim = key_states.shape
-        # Zeros, not empty memory: padded attention reads the unused slots (masked), which must be finite.
-        self._k = key_states.new_zeros(batch, heads, self.capacity, dim)
-        self._v = value_states.new_zeros(batch, heads, self.capacity, value_states.shape[-1])
-        self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
-        self.is_initialized = True
-
-    def _grow(self, needed: int) -> None:
-        capacity = block_attention.round_up(max(needed, 2 * self.capacity), block_attention.KEY_BLOCK)
-        for name in ("_k", "_v"):
-            old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, new)
-        self.capacity = capacity
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            self._grow(end)
-        self._k[:, :, self.length : end] = key_states
-        self._v[:, :, self.length : end] = value_states
-        self.length = end
-        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
-        if self.pad_keys:
-            padded = block_attention.round_up(end, block_attention.KEY_BLOCK)
-            return self._k[:, :, :padded], self._v[:, :, :padded]
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def truncate(self, length: int) -> None:
-        """Forget every slot from ``length`` on."""
-        if not self.is_initialized:
-            return
-        self.length = length
-        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
-
-    def set_buffers(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        """Adopt ``[rows, kv_heads, capacity, head_dim]`` buffers whose first ``length`` slots are filled."""
-        self.device = keys.device
-        self._k, self._v = keys, values
-        self.capacity, self.length = keys.shape[2], length
-        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
-        self.is_initialized = True
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 
-def _attention_window(config: Any) -> int | None:
+def _attention_window(config: PreTrainedConfig) -> int | None:
     """Smallest sliding window of any layer, or None when every layer attends to all tokens."""
     text = config.get_text_config(decoder=True)
     window = getattr(text, "sliding_window", None)
@@ -109,11 +41,13 @@ def _attention_window(config: Any) -> int | None:
 class Assembler:
     """Cache assembly and forward calls for one loaded model."""
 
-    def __init__(self, model: torch.nn.Module, *, transposed_batch_weights: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, *, transposed_batch_weights: bool = True) -> None:
         self.model = model
         self.config = model.config
         text = model.config.get_text_config(decoder=True)
-        self.context_window = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        self.context_window = getattr(text, "max_position_embeddings", None) or getattr(
+            text, "n_positions", None
+        )
         self.attention_window = _attention_window(model.config)
         # Forward calls of concurrent requests take turns: the attention switch below is shared
         # state of the model (also between engines that share it), and two calls at once would
@@ -125,13 +59,17 @@ class Assembler:
         # Over our own full-attention caches, SDPA models run chunk steps through the
         # mask-free chunk attention (same math, no [L, S] mask, causal work only).
         self._chunk_attention = (
-            chunk_attention.register() if getattr(model.config, "_attn_implementation", None) == "sdpa" else None
+            chunk_attention.register()
+            if getattr(model.config, "_attn_implementation", None) == "sdpa"
+            else None
         )
         self._block_attention = block_attention.register() if block_attention.available(self.device) else None
         self.invariant = False
         """Run forwards over buffered caches split-invariantly (set by the engine once the probe holds)."""
         text = model.config.get_text_config(decoder=True)
-        self._query_groups = text.num_attention_heads // getattr(text, "num_key_value_heads", text.num_attention_heads)
+        self._query_groups = text.num_attention_heads // getattr(
+            text, "num_key_value_heads", text.num_attention_heads
+        )
         self._transposed_batch_weights = transposed_batch_weights
         self._transposed: dict[torch.nn.Linear, torch.Tensor] | None = None  # built at the first batch
 
@@ -144,7 +82,8 @@ class Assembler:
 
     @property
     def can_run_invariant(self) -> bool:
-        """Whether the split-invariant attention exists for this model and device (the probe still decides)."""
+        """Whether the split-invariant attention exists for this model and device (the probe still
+        decides)."""
         return self._block_attention is not None
 
     @property
@@ -169,11 +108,17 @@ class Assembler:
         """An empty cache: buffered full-attention layers, or the model's own layers for plain generation."""
         if not reusable:
             return DynamicCache(config=self.config)
-        return _BufferedCache(self._num_layers(), capacity)
+        return BufferedCache(self.num_layers, capacity)
 
     @torch.inference_mode()
     def forward(
-        self, cache: Cache, token_ids: Sequence[int], start: int, *, logits: bool = True, exact_rows: bool = True
+        self,
+        cache: Cache,
+        token_ids: Sequence[int],
+        start: int,
+        *,
+        logits: bool = True,
+        exact_rows: bool = True,
     ) -> torch.Tensor | None:
         """Run ``token_ids`` at positions ``start..`` over ``cache``.
 
@@ -186,7 +131,7 @@ class Assembler:
         padding: decode steps, whose KV is never stored, stay one row.
         """
         n = len(token_ids)
-        invariant = self.invariant and isinstance(cache, _BufferedCache)
+        invariant = self.invariant and isinstance(cache, BufferedCache)
         rows = block_attention.round_up(n, block_attention.ROW_MULTIPLE) if invariant and exact_rows else n
         device = self.device
         ids = torch.tensor([[*token_ids, *[token_ids[-1]] * (rows - n)]], dtype=torch.long, device=device)
@@ -200,6 +145,7 @@ class Assembler:
             else:
                 out = self.model(**kwargs, logits_to_keep=keep)
         if rows != n:
+            assert isinstance(cache, BufferedCache)  # padded rows only in invariant mode, over our caches
             cache.truncate(start + n)
         return out.logits[0, -1].float() if logits else None
 
@@ -210,8 +156,9 @@ class Assembler:
 
     @staticmethod
     def shared_prefix(cache: Cache, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The first ``tokens`` of a one-row cache, per layer ``(keys, values)`` ``[1, kv_heads, tokens, head_dim]``."""
-        return [(layer.keys[:, :, :tokens], layer.values[:, :, :tokens]) for layer in cache.layers]
+        """The first ``tokens`` of a one-row cache, per layer ``(keys, values)``
+        ``[1, kv_heads, tokens, head_dim]``."""
+        return [(layer.keys[:, :, :tokens], layer.values[:, :, :tokens]) for layer in kv_layers(cache)]
 
     @torch.inference_mode()
     def forward_rows(
@@ -239,7 +186,10 @@ class Assembler:
             if shared is None:
                 out = self.model(**kwargs, logits_to_keep=1)
             else:
-                with chunk_attention.shared_prefix(shared), self._attention_switch(chunk_attention.SHARED_PREFIX_NAME):
+                with (
+                    chunk_attention.shared_prefix(shared),
+                    self._attention_switch(chunk_attention.SHARED_PREFIX_NAME),
+                ):
                     out = self.model(**kwargs, logits_to_keep=1)
         return out.logits[:, -1].float()
 
@@ -264,7 +214,10 @@ class Assembler:
                     if type(m) is torch.nn.Linear  # subclasses (quantized layers) keep their own forward
                 }
         for module, weight_t in self._transposed.items():
-            module.forward = functools.partial(_row_major_linear, weight_t=weight_t, bias=module.bias)
+            # An instance attribute shadows the class's forward until the del below.
+            module.forward = functools.partial(  # type: ignore[method-assign]
+                _row_major_linear, weight_t=weight_t, bias=module.bias
+            )
         try:
             yield
         finally:
@@ -275,48 +228,54 @@ class Assembler:
     def batch_cache(self, prefixes: list[tuple[Cache | None, int]], capacity: int, skip: int = 0) -> Cache:
         """A cache of ``len(prefixes)`` rows: row i holds tokens ``skip:n_i`` of its prefix cache from
         slot 0, zeros (to be masked) up to the longest prefix; ``skip`` tokens are shared and kept apart."""
-        cache = _BufferedCache(self._num_layers(), capacity)
+        cache = BufferedCache(self.num_layers, capacity)
         width = max(n for _, n in prefixes) - skip
         source = next((c for c, n in prefixes if n), None)
         if source is None or width == 0:
             return cache  # nothing to lay: the first forward initialises the buffers
-        for layer_idx, layer in enumerate(cache.layers):
-            ref = source.layers[layer_idx].keys  # [1, kv_heads, seq, head_dim]
+        for layer_idx, layer in enumerate(buffered_layers(cache)):
+            ref = kv_layers(source)[layer_idx].keys  # [1, kv_heads, seq, head_dim]
             keys = ref.new_zeros(len(prefixes), ref.shape[1], capacity, ref.shape[3])
             values = keys.clone()
             for row, (prefix, n) in enumerate(prefixes):
                 if n > skip:
-                    keys[row, :, : n - skip] = prefix.layers[layer_idx].keys[0, :, skip:n]
-                    values[row, :, : n - skip] = prefix.layers[layer_idx].values[0, :, skip:n]
+                    assert prefix is not None  # a prefix of n > 0 tokens has its cache
+                    keys[row, :, : n - skip] = kv_layers(prefix)[layer_idx].keys[0, :, skip:n]
+                    values[row, :, : n - skip] = kv_layers(prefix)[layer_idx].values[0, :, skip:n]
             layer.set_buffers(keys, values, width)
         return cache
 
     @staticmethod
     def keep_rows(cache: Cache, rows: torch.Tensor) -> None:
         """Drop every row of a batch cache but ``rows`` (finished requests leave the batch)."""
-        for layer in cache.layers:
+        for layer in buffered_layers(cache):
             layer.set_buffers(layer._k.index_select(0, rows), layer._v.index_select(0, rows), layer.length)
 
     @torch.inference_mode()
-    def probe(self, cache: Cache, token_ids: list[int], start: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def probe(
+        self, cache: Cache, token_ids: Sequence[int], start: int, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[kv_heads, tokens, head_dim]`` that ``layer`` computes for ``token_ids`` at
-        positions ``start..`` over ``cache``, running only the layers up to it; ``cache`` is left as it was."""
-        lengths = [lay.get_seq_length() for lay in cache.layers]
-        target = cache.layers[layer]
+        positions ``start..`` over ``cache``, running only the layers up to it; ``cache`` is left as it
+        was."""
+        layers = buffered_layers(cache)
+        lengths = [lay.get_seq_length() for lay in layers]
+        target = layers[layer]
         captured: list[torch.Tensor] = []
 
         def capture(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             captured.extend((key_states[0].clone(), value_states[0].clone()))
             raise _ProbeDone
 
-        target.update = capture  # an instance attribute shadows the method for this call only
+        # an instance attribute shadows the method for this call only
+        target.update = capture  # type: ignore[method-assign]
         try:
             self.forward(cache, token_ids, start, logits=False)
         except _ProbeDone:
             pass
         finally:
             del target.update
-            for lay, n in zip(cache.layers, lengths, strict=True):
+            for lay, n in zip(layers, lengths, strict=True):
                 lay.truncate(n)
         if not captured:
             msg = f"layer {layer} was never reached (the model has {len(cache.layers)} layers)"
@@ -330,14 +289,15 @@ class Assembler:
         Selective recompute appends fresh KV for tokens whose stale KV sits earlier in the
         cache; afterwards every slot again holds the token at that position.
         """
-        for lay in cache.layers:
+        for lay in buffered_layers(cache):
             end = lay.get_seq_length()
             base = end - len(slots)
             lay._k[:, :, slots] = lay._k[:, :, base:end]
             lay._v[:, :, slots] = lay._v[:, :, base:end]
             lay.truncate(base)
 
-    def _num_layers(self) -> int:
+    @property
+    def num_layers(self) -> int:
         return self.model.config.get_text_config(decoder=True).num_hidden_layers
 
     @contextmanager
@@ -349,10 +309,11 @@ class Assembler:
         The switch is on the shared config, so it is held only inside the call (under
         the forward lock), and the model is left as it was.
         """
-        if not isinstance(cache, _BufferedCache):
+        if not isinstance(cache, BufferedCache):
             yield
             return
         if self.invariant and invariant:
+            assert self._block_attention is not None  # invariant mode is set only where it can run
             dtype = next(self.model.parameters()).dtype
             with (
                 self._attention_switch(self._block_attention),
@@ -382,7 +343,10 @@ class Assembler:
     def extract(self, cache: Cache, start: int, end: int) -> torch.Tensor:
         """KV of tokens ``start:end`` as ``[layers, 2, kv_heads, tokens, head_dim]`` (a copy)."""
         return torch.stack(
-            [torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in cache.layers]
+            [
+                torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
+                for layer in kv_layers(cache)
+            ]
         )
 
     @torch.inference_mode()
@@ -394,7 +358,7 @@ class Assembler:
             if part.shape[0] != len(cache.layers):
                 msg = f"stored chunk has {part.shape[0]} layers, the model has {len(cache.layers)}"
                 raise ValueError(msg)
-        for layer_idx, layer in enumerate(cache.layers):
+        for layer_idx, layer in enumerate(kv_layers(cache)):
             if len(parts) == 1:
                 keys, values = parts[0][layer_idx, 0], parts[0][layer_idx, 1]
             else:  # a few large copies per layer rather than a small one per chunk and layer
@@ -422,26 +386,3 @@ def _row_major_linear(x: torch.Tensor, *, weight_t: torch.Tensor, bias: torch.Te
 
 class _ProbeDone(Exception):
     """Stops a probe forward once the probed layer has computed its keys and values."""
-
-
-class _BufferedCache(DynamicCache):
-    """A ``DynamicCache`` (models check for that type) made of buffered layers."""
-
-    def __init__(self, num_layers: int, capacity: int) -> None:
-        Cache.__init__(self, layers=[_BufferedLayer(capacity) for _ in range(num_layers)])
-
-    def truncate(self, length: int) -> None:
-        """Forget every token from ``length`` on, in every layer."""
-        for layer in self.layers:
-            layer.truncate(length)
-
-    @contextmanager
-    def keys_padded(self) -> Iterator[None]:
-        """Inside, layers hand attention their keys and values padded to whole key blocks."""
-        for layer in self.layers:
-            layer.pad_keys = True
-        try:
-            yield
-        finally:
-            for layer in self.layers:
-                layer.pad_keys = False

@@ -1,0 +1,136 @@
+"""The cache our forwards run over: preallocated, zero-filled buffers that grow in whole key blocks.
+
+Layout: each layer keeps keys and values ``[batch, kv_heads, capacity, head_dim]`` with ``capacity``
+a whole number of 512-key blocks, zeros past the tokens held, and hands attention views of the
+first ``seq`` slots (or of whole key blocks, for the split-invariant attention). Growing in place
+avoids the copy per forward of a concatenating cache, and the zeros keep padded blocks finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol, cast
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from .. import block_attention
+
+
+class BufferedLayer(DynamicLayer):
+    """A full-attention layer that appends into a preallocated buffer.
+
+    transformers' ``DynamicLayer`` concatenates on every update, which copies the
+    whole past on each prefill step and each decoded token; writing into a
+    buffer that grows geometrically makes appends cost only the new tokens.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = block_attention.round_up(max(capacity, 1), block_attention.KEY_BLOCK)
+        self.length = 0
+        self.pad_keys = False
+        """Return the keys and values padded to whole key blocks (for the split-invariant attention)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        batch, heads, _, dim = key_states.shape
+        # Zeros, not empty memory: padded attention reads the unused slots (masked), which must be finite.
+        self._k = key_states.new_zeros(batch, heads, self.capacity, dim)
+        self._v = value_states.new_zeros(batch, heads, self.capacity, value_states.shape[-1])
+        self.keys, self.values = self._k[:, :, :0], self._v[:, :, :0]
+        self.is_initialized = True
+
+    def _grow(self, needed: int) -> None:
+        capacity = block_attention.round_up(max(needed, 2 * self.capacity), block_attention.KEY_BLOCK)
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+        self.capacity = capacity
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            self._grow(end)
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        if self.pad_keys:
+            padded = block_attention.round_up(end, block_attention.KEY_BLOCK)
+            return self._k[:, :, :padded], self._v[:, :, :padded]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def truncate(self, length: int) -> None:
+        """Forget every slot from ``length`` on."""
+        if not self.is_initialized:
+            return
+        self.length = length
+        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
+
+    def set_buffers(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Adopt ``[rows, kv_heads, capacity, head_dim]`` buffers whose first ``length`` slots are filled."""
+        self.device = keys.device
+        self._k, self._v = keys, values
+        self.capacity, self.length = keys.shape[2], length
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self.is_initialized = True
+
+
+class KVLayer(Protocol):
+    """What we use of a full-attention cache layer that holds tokens (transformers' or ours)."""
+
+    keys: torch.Tensor  # [batch, kv_heads, seq, head_dim]
+    values: torch.Tensor
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def kv_layers(cache: Cache) -> list[KVLayer]:
+    """The layers of a cache made by :meth:`Assembler.new_cache` or :meth:`Assembler.batch_cache`.
+
+    transformers types them loosely (``keys`` may be None, layers may be linear attention); ours
+    are full-attention layers, read only once they hold tokens.
+    """
+    return cast("list[KVLayer]", cache.layers)
+
+
+def buffered_layers(cache: Cache) -> list[BufferedLayer]:
+    """The layers of a buffered cache (:class:`BufferedCache`: every cache of a reusable prefill
+    or a batch)."""
+    return cast("list[BufferedLayer]", cache.layers)
+
+
+class BufferedCache(DynamicCache):
+    """A ``DynamicCache`` (models check for that type) made of buffered layers."""
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        Cache.__init__(self, layers=[BufferedLayer(capacity) for _ in range(num_layers)])
+
+    def truncate(self, length: int) -> None:
+        """Forget every token from ``length`` on, in every layer."""
+        for layer in buffered_layers(self):
+            layer.truncate(length)
+
+    @contextmanager
+    def keys_padded(self) -> Iterator[None]:
+        """Inside, layers hand attention their keys and values padded to whole key blocks."""
+        for layer in buffered_layers(self):
+            layer.pad_keys = True
+        try:
+            yield
+        finally:
+            for layer in buffered_layers(self):
+                layer.pad_keys = False

@@ -1,0 +1,314 @@
+"""Generation: one request alone (the exact path, streamed token by token), or many as one batch.
+
+A request is first *prepared* (checked, canonicalized, fitted to the context window),
+so bad input fails before any work and alone. Prepared requests then run alone when
+they are alone or cannot share a batch (blend mode, sliding windows), else together
+(:func:`~kvboost_rag.batch.run_batch`). Either way the result is built by :func:`_result`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Generator, Sequence
+from concurrent.futures import CancelledError
+from typing import NamedTuple, cast
+
+import torch
+
+from .batch import BatchRow, run_batch
+from .blend import blend_prefill
+from .canonical import CanonicalPrompt, is_messages
+from .config import ReuseMode
+from .core import EngineCore
+from .followups import FollowUps
+from .keys import Chunk
+from .request import Request
+from .results import FinishReason, GenerationResult, StreamChunk, Timings, Usage
+from .runner import PrefillOutcome, decode, holding_writes
+from .scheduler import Pending
+from .textstream import TextStream
+from .warming import store_reply
+
+logger = logging.getLogger(__name__)
+
+
+class Prepared(NamedTuple):
+    """A request checked and canonicalized, ready to run."""
+
+    request: Request
+    canonical: CanonicalPrompt
+    mode: ReuseMode
+    max_new_tokens: int
+    """The request's, capped by what the context window leaves."""
+    submitted_at: float
+    """``time.perf_counter()`` when the request came in (timings count from it)."""
+
+
+class Generation:
+    """Runs prepared requests on an :class:`~kvboost_rag.core.EngineCore`.
+
+    Chat answers in exact mode are followed by storing the reply as the next turn
+    renders it (``EngineConfig.store_replies``), queued on ``followups``.
+    """
+
+    def __init__(self, core: EngineCore, followups: FollowUps) -> None:
+        self.core = core
+        self.followups = followups
+
+    def prepare(self, request: Request, submitted_at: float) -> Prepared:
+        """Canonicalize a request and fit it to the context window (bad input raises here, before work)."""
+        core = self.core
+        mode = request.reuse or core.config.reuse
+        if mode == "blend":
+            core.blend_shifter()
+        canonical = core.canonicalize(request.prompt, add_generation_prompt=request.add_generation_prompt)
+        core.check_window(len(canonical), 1)
+        max_new = core.room_for(len(canonical), request.max_new_tokens)
+        return Prepared(request, canonical, mode, max_new, submitted_at)
+
+    def serve(self, pending: Sequence[Pending[Request]]) -> list[GenerationResult | BaseException]:
+        """Scheduler callback: prepare each request, isolating bad input, then run them together."""
+        outcomes: list[GenerationResult | BaseException | None] = [None] * len(pending)
+        prepared: list[tuple[int, Prepared]] = []
+        for i, p in enumerate(pending):
+            try:
+                prepared.append((i, self.prepare(p.request, p.submitted_at)))
+            except Exception as e:
+                outcomes[i] = e
+        cancels = [pending[i].future.cancel_requested for i, _ in prepared]
+        for (i, _), outcome in zip(prepared, self.run_all([p for _, p in prepared], cancels), strict=True):
+            outcomes[i] = outcome
+        return outcomes  # type: ignore[return-value]
+
+    def run_all(
+        self, prepared: list[Prepared], cancels: Sequence[threading.Event | None] | None = None
+    ) -> list[GenerationResult | BaseException]:
+        """Run prepared requests: alone when there is one (the exact solo path), else as a batch.
+
+        Requests that cannot reuse chunks (sliding-window models beyond the window) and
+        blend requests run alone.
+        """
+        cancels = list(cancels) if cancels is not None else [None] * len(prepared)
+        blocker = self.core.assembler.exact_reuse_blocker
+        alone = [
+            i
+            for i, p in enumerate(prepared)
+            if len(prepared) == 1 or p.mode == "blend" or blocker(len(p.canonical) + p.max_new_tokens)
+        ]
+        together = [i for i in range(len(prepared)) if i not in alone]
+        outcomes: list[GenerationResult | BaseException | None] = [None] * len(prepared)
+        for i in alone:
+            try:
+                outcomes[i] = self.solo(prepared[i], cancels[i])
+            except Exception as e:
+                outcomes[i] = e
+        if together:
+            try:
+                batch = self.batch([prepared[i] for i in together], [cancels[i] for i in together])
+            except Exception as e:  # e.g. out of memory: these requests fail, the others stand
+                batch = [e] * len(together)
+            for i, outcome in zip(together, batch, strict=True):
+                outcomes[i] = outcome
+        return outcomes  # type: ignore[return-value]
+
+    def solo(self, prepared: Prepared, cancel: threading.Event | None = None) -> GenerationResult:
+        """Run one request alone to its result; ``cancel`` stops it at its next token."""
+        result = None
+        steps = self.stream(prepared)
+        for chunk in steps:
+            if cancel is not None and cancel.is_set():  # cancelled while running: stop at this token
+                steps.close()
+                raise CancelledError()
+            result = chunk.result
+        assert result is not None
+        return result
+
+    def stream(self, prepared: Prepared) -> Generator[StreamChunk, None, None]:
+        """One request alone: text deltas, then the result; background work waits until it is done."""
+        with self.followups.activity():
+            last = yield from self._steps(prepared)
+        assert last.result is not None
+        self._follow_up(prepared, last.result)
+        yield last
+
+    def batch(
+        self, prepared: list[Prepared], cancels: list[threading.Event | None]
+    ) -> list[GenerationResult | BaseException]:
+        """Run requests as one batch: every prompt but its last chunk through the store, the rest together."""
+        with self.followups.activity():
+            results = self._batch_rows(prepared, cancels)
+        for p, result in zip(prepared, results, strict=True):
+            if isinstance(result, GenerationResult):
+                self._follow_up(p, result)
+        return results
+
+    def _follow_up(self, prepared: Prepared, result: GenerationResult) -> None:
+        """Queue storing a chat reply as the next turn will render it (see ``EngineConfig.store_replies``)."""
+        request = prepared.request
+        messages = request.prompt
+        if prepared.mode != "exact" or not self.core.config.store_replies:
+            return
+        if not is_messages(messages) or not request.add_generation_prompt:
+            return
+        self.followups.submit(lambda: store_reply(self.core, messages, result.text))  # type: ignore[arg-type]
+
+    def _batch_rows(
+        self, prepared: list[Prepared], cancels: list[threading.Event | None]
+    ) -> list[GenerationResult | BaseException]:
+        core = self.core
+        t_prefill = time.perf_counter()
+        rows = []
+        prefix_keys = []
+        with core.lock:
+            for p, cancel in zip(prepared, cancels, strict=True):
+                chunks = core.chunks(p.canonical)
+                prefix_keys.append([(c.key, c.end) for c in chunks[:-1]])
+                store = core.store if p.mode == "exact" else None
+                prefix = None
+                if len(chunks) > 1:  # every chunk but the last, exactly
+                    prefix = core.prefill(
+                        p.canonical.token_ids,
+                        chunks[:-1],
+                        store=store,
+                        capacity=chunks[-1].start,
+                        need_logits=False,
+                    )
+                rows.append(
+                    BatchRow(
+                        p.canonical.token_ids, prefix, chunks[-1].start, p.request, p.max_new_tokens, cancel
+                    )
+                )
+        shared = 0  # tokens of the leading chunks that every row has (same keys: same KV)
+        for column in zip(*prefix_keys, strict=False):  # up to the shortest prefix
+            if any(key != column[0] for key in column):
+                break
+            shared = column[0][1]
+        outputs = run_batch(core.assembler, core.tokenizer, rows, core.eos_ids, core.lock, shared)
+        done = time.perf_counter()
+        results: list[GenerationResult | BaseException] = []
+        for p, row, out in zip(prepared, rows, outputs, strict=True):
+            if out.finish_reason == "cancelled":
+                results.append(CancelledError())
+                continue
+            recomputed = (
+                (row.prefix.recomputed_tokens if row.prefix else 0) + len(p.canonical) - row.prefix_tokens
+            )
+            timings = Timings(
+                out.first_token_at - p.submitted_at, done - p.submitted_at, out.first_token_at - t_prefill
+            )
+            note = core.reuse_note if p.mode == "exact" else None
+            results.append(
+                _result(
+                    p,
+                    row.prefix,
+                    out.text,
+                    out.token_ids,
+                    cast(FinishReason, out.finish_reason),  # "cancelled" left above
+                    recomputed,
+                    timings,
+                    out.first_logits,
+                    note,
+                )
+            )
+        return results
+
+    def _steps(self, prepared: Prepared) -> Generator[StreamChunk, None, StreamChunk]:
+        """Prefill and decode one request, yielding text deltas; returns the last delta with the result."""
+        core = self.core
+        request, canonical, mode, max_new = (
+            prepared.request,
+            prepared.canonical,
+            prepared.mode,
+            prepared.max_new_tokens,
+        )
+        n_prompt = len(canonical)
+        blocker = core.assembler.exact_reuse_blocker(n_prompt + max_new)
+        reuse = mode != "off" and blocker is None
+        if blocker is not None:
+            logger.info("chunk reuse off for this request: %s", blocker)
+        # The lock covers the prefill only: decoding yields to the caller, and a stream that is
+        # abandoned half-way must not keep other requests out (forward calls lock on their own).
+        with core.lock:
+            t_prefill = time.perf_counter()
+            out = self._prefill(prepared, blocker is None, reuse)
+            prefill_s = time.perf_counter() - t_prefill
+        assert out.logits is not None
+        text = TextStream(core.tokenizer, request.stop_strings)
+        first_token_at = None
+        finish: FinishReason = "length"
+        for token in decode(core.assembler, out.cache, out.logits, n_prompt, request, core.eos_ids, max_new):
+            first_token_at = first_token_at or time.perf_counter()
+            delta = text.push(token)
+            if token in core.eos_ids or text.stopped:
+                finish = "stop"
+                break
+            if delta:
+                yield StreamChunk(delta)
+        tail = text.finish()
+        t0 = prepared.submitted_at
+        ttft = (first_token_at - t0) if first_token_at else 0.0
+        timings = Timings(ttft, time.perf_counter() - t0, prefill_s, out.select_s)
+        note = blocker or (core.reuse_note if reuse else None)
+        result = _result(
+            prepared, out, text.text, list(text.ids), finish, out.recomputed_tokens, timings, out.logits, note
+        )
+        return StreamChunk(tail, result)
+
+    def _prefill(self, prepared: Prepared, chunked: bool, reuse: bool) -> PrefillOutcome:
+        """The prompt's cache: exact (through the store when ``reuse``), or blended."""
+        core, canonical = self.core, prepared.canonical
+        n_prompt, capacity = len(canonical), len(canonical) + prepared.max_new_tokens
+        if not chunked:  # plain generation: one forward over the whole prompt through the model's own cache
+            chunks = [Chunk(0, n_prompt, "")]
+        else:
+            chunks = core.chunks(canonical)
+        if prepared.mode == "blend" and chunked:
+            with holding_writes(core.assembler):
+                return blend_prefill(
+                    core.assembler,
+                    core.blend_shifter(),
+                    canonical,
+                    chunks,
+                    store=core.store,
+                    registry=core.registry,
+                    namespace=core.namespace,
+                    settings=core.blend_settings(prepared.request.blend_recompute_ratio),
+                    capacity=capacity,
+                    store_last_logits=core.config.store_last_logits,
+                )
+        return core.prefill(
+            canonical.token_ids,
+            chunks,
+            store=core.store if reuse else None,
+            capacity=capacity,
+            store_last_logits=core.config.store_last_logits,
+            reusable=chunked,
+        )
+
+
+def _result(
+    prepared: Prepared,
+    prefill: PrefillOutcome | None,
+    text: str,
+    token_ids: list[int],
+    finish: FinishReason,
+    recomputed_tokens: int,
+    timings: Timings,
+    first_logits: torch.Tensor,
+    reuse_note: str | None,
+) -> GenerationResult:
+    """The result of a finished request; ``prefill`` is None for a batch row without a stored prefix."""
+    cached = prefill.cached_by_tier if prefill is not None else {}
+    usage = Usage(
+        prompt_tokens=len(prepared.canonical),
+        completion_tokens=len(token_ids),
+        cached_tokens=sum(cached.values()),
+        cached_tokens_by_tier=dict(cached),
+        approx_tokens=prefill.approx_tokens if prefill is not None else 0,
+        recomputed_tokens=recomputed_tokens,
+        stored_tokens=prefill.stored_tokens if prefill is not None else 0,
+    )
+    logits = first_logits.clone() if prepared.request.return_logits else None
+    return GenerationResult(text, token_ids, finish, usage, timings, logits, reuse_note)

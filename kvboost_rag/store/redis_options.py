@@ -1,0 +1,111 @@
+"""Settings of the Redis tier, and the client it opens from them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+
+@dataclass(frozen=True)
+class RedisOptions:
+    """Everything a :class:`~kvboost_rag.store.redis.RedisStore` takes besides where and which namespace.
+
+    ``EngineConfig.redis_options`` names these fields.
+
+    >>> RedisOptions(ttl_s=60).ttl_s
+    60
+    >>> sorted(RedisOptions.names())[:3]
+    ['background_writes', 'backoff_s', 'client_options']
+    """
+
+    key_prefix: str = "kvboost"
+    """First part of every key; separates deployments that share a server."""
+    password: str | None = None
+    """Used when the URL carries none."""
+    ssl_ca_certs: str | None = None
+    """TLS CA bundle (``rediss://`` URLs only, as are the two below)."""
+    ssl_certfile: str | None = None
+    """Client certificate, for servers that authenticate clients by TLS."""
+    ssl_keyfile: str | None = None
+    """The client certificate's private key."""
+    client_options: Mapping[str, Any] | None = None
+    """Further ``redis.Redis`` arguments (``username``, ``ssl_cert_reqs``, ...); they win over ours."""
+    ttl_s: float | None = None
+    """Expiry of each entry, renewed when it is read; ``None``: no expiry."""
+    max_bytes: int | None = None
+    """Payload budget of the namespace; ``None``: the server's own limits."""
+    connect_timeout_s: float = 0.5
+    """Socket connect timeout of every call."""
+    timeout_s: float = 2.0
+    """Socket read/write timeout of every call."""
+    backoff_s: float = 1.0
+    """How long Redis is skipped after a failure (doubling while failures repeat) ..."""
+    max_backoff_s: float = 30.0
+    """... up to this."""
+    max_pending_writes: int = 256
+    """Bound of the write-back queue, in writes; a write beyond it is dropped."""
+    max_pending_bytes: int = 512 * 1024**2
+    """Bound of the write-back queue, in bytes."""
+    warn_every_s: float = 30.0
+    """At most one warning per kind of problem in this period."""
+    registry_refresh_s: float = 1.0
+    """How often the shared document list is polled."""
+    background_writes: bool = True
+    """``False`` writes synchronously (tests, tools)."""
+
+    def __post_init__(self) -> None:
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise ValueError(f"ttl_s={self.ttl_s}: pass a positive number of seconds, or None for no expiry")
+        if self.max_bytes is not None and self.max_bytes < 0:
+            raise ValueError(f"max_bytes={self.max_bytes}: pass a byte budget >= 0, or None for no budget")
+
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        """The option names (what ``EngineConfig.redis_options`` may hold)."""
+        return frozenset(f.name for f in fields(cls))
+
+    @property
+    def ttl_ms(self) -> int:
+        """The expiry in milliseconds as the scripts take it (0: none)."""
+        return 0 if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
+
+    def connect(self, url: str) -> redis.Redis:
+        """A client for ``url`` with these settings (sends nothing yet)."""
+        files = {
+            "ssl_ca_certs": self.ssl_ca_certs,
+            "ssl_certfile": self.ssl_certfile,
+            "ssl_keyfile": self.ssl_keyfile,
+        }
+        tls = {name: path for name, path in files.items() if path}
+        if tls and not url.startswith("rediss://"):
+            msg = f"TLS settings ({', '.join(tls)}) need a rediss:// URL; got {url.split('://', 1)[0]}://"
+            raise ValueError(msg)
+        settings: dict[str, Any] = {
+            "socket_connect_timeout": self.connect_timeout_s,
+            "socket_timeout": self.timeout_s,
+            # No client-side retries: the back-off decides when Redis is tried again, and a
+            # retry would multiply the time a request can spend on a dead server.
+            "retry": Retry(NoBackoff(), 0),
+            "health_check_interval": 0,
+        }
+        if self.password is not None:
+            settings["password"] = self.password
+        settings.update(tls)
+        settings.update(self.client_options or {})  # the caller's word wins, timeouts included
+        try:
+            return redis.Redis.from_url(url, **settings)
+        except ValueError as e:
+            msg = f"bad Redis URL ({e}); use redis://[[user]:password@]host:port/db or rediss://... for TLS"
+            raise ValueError(msg) from e
+
+
+def describe(client: redis.Redis) -> str:
+    """``host:port/db`` of a client's server, without credentials (for messages)."""
+    kw = client.get_connection_kwargs()
+    where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
+    return f"{where}/{kw.get('db', 0)}"

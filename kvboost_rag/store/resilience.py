@@ -1,0 +1,93 @@
+"""What lets a failing tier cost little: a circuit breaker, and warnings that cannot flood the log.
+
+A tier is a cache: when its backend fails or returns garbage, a read is a miss and a write is
+dropped, and the request goes on. These pieces keep such failures cheap and visible:
+
+- :class:`CircuitBreaker` skips a backend for a while after a failure (doubling while
+  failures repeat), so a dead server costs one timeout per period instead of one per chunk.
+- :class:`RateLimitedWarnings` logs one line per kind of problem per period, with a count of
+  the lines it held back, so a failing backend under load does not bury everything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+
+class CircuitBreaker:
+    """Skip a backend for a while after a failure; the pause doubles while failures repeat.
+
+    >>> breaker = CircuitBreaker(backoff_s=60.0, max_backoff_s=300.0)
+    >>> breaker.allow()
+    True
+    >>> breaker.failure(), breaker.allow()
+    (60.0, False)
+    >>> breaker.failure()  # failing again (a try after the pause): twice as long
+    120.0
+    """
+
+    def __init__(self, backoff_s: float, max_backoff_s: float) -> None:
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._failures = 0
+        self._open_until = 0.0
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        """Whether the backend may be tried now (no pause in progress)."""
+        return time.monotonic() >= self._open_until
+
+    def success(self) -> None:
+        """A call went through: the next failure pauses for ``backoff_s`` again."""
+        if self._failures:
+            with self._lock:
+                self._failures = 0
+
+    def failure(self) -> float:
+        """Record a failure; returns the pause that starts now."""
+        with self._lock:
+            self._failures += 1
+            pause = min(self.backoff_s * 2 ** (self._failures - 1), self.max_backoff_s)
+            self._open_until = time.monotonic() + pause
+            return pause
+
+
+class RateLimitedWarnings:
+    """One log line per kind of problem every ``every_s`` seconds, with a count of those held back.
+
+    Lines go to ``logger`` (the tier's own, so they can be filtered by tier).
+    """
+
+    def __init__(self, logger: logging.Logger, every_s: float) -> None:
+        self.logger = logger
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warn(self, kind: str, msg: str, *args: Any) -> None:
+        """Log ``msg % args`` unless a line of this ``kind`` went out less than ``every_s`` ago."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -float("inf")) < self.every_s:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        if held:
+            msg += " (%d similar warnings in the last %.0f s not shown)"
+            args = (*args, held, self.every_s)
+        self.logger.warning(msg, *args)
+
+    def unusable_entry(self, tier: str, key: str, reason: str) -> None:
+        """The warning for an entry that failed its checks and was removed (a miss, recomputed)."""
+        self.warn(
+            "corrupt",
+            "%s tier entry %s… is unusable (%s); removed, it will be recomputed",
+            tier,
+            key[:12],
+            reason,
+        )

@@ -1,0 +1,123 @@
+"""Warm-up: store a prompt's KV without generating (system prompts, documents, chat replies)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from .blend import record_sources
+from .canonical import CanonicalPrompt, PromptInput, Segment, normalize_text, segments_before
+from .core import EngineCore
+from .errors import ContextWindowExceededError, InvalidRequestError
+from .results import PrewarmReport, WarmReport
+
+logger = logging.getLogger(__name__)
+
+
+def warm(core: EngineCore, prompt: PromptInput, *, add_generation_prompt: bool = False) -> WarmReport:
+    """Prefill ``prompt`` into the store (see :meth:`KVBoostEngine.warm`)."""
+    t0 = time.perf_counter()
+    canonical = core.canonicalize(prompt, add_generation_prompt=add_generation_prompt)
+    core.check_window(len(canonical), 0)
+    with core.lock:
+        out = core.prefill(
+            canonical.token_ids, core.chunks(canonical), store=core.store, capacity=len(canonical)
+        )
+    return WarmReport(
+        len(canonical), sum(out.cached_by_tier.values()), out.stored_tokens, time.perf_counter() - t0
+    )
+
+
+def prewarm(
+    core: EngineCore,
+    documents: Iterable[str],
+    *,
+    prefix: str | Sequence[Segment],
+    pin: bool,
+    progress: Callable[[int], None] | None,
+) -> PrewarmReport:
+    """Store and register each document after ``prefix`` (see :meth:`KVBoostEngine.prewarm`)."""
+    head = [Segment(prefix, "text")] if isinstance(prefix, str) else list(prefix)
+    if not isinstance(prefix, str) and (not head or head[-1].kind != "message"):
+        head.append(Segment("", "document"))  # the document is a segment of its own
+    t0 = time.perf_counter()
+    report = PrewarmReport(documents=0, skipped=0, tokens=0, computed_tokens=0, seconds=0.0)
+    store = core.store
+    with core.lock:
+        for doc in documents:
+            doc = normalize_text(doc)
+            if not doc:
+                continue
+            *before, last = head
+            canonical = core.canonicalize(
+                [*before, Segment(last.text + doc, last.kind)], add_generation_prompt=False
+            )
+            core.check_window(len(canonical), 0)
+            chunks = core.chunks(canonical)
+            report.documents += 1
+            report.tokens += len(canonical)
+            report.keys.append(chunks[-1].key)
+            if all(store.contains(c.key) for c in chunks):
+                report.skipped += 1
+            else:
+                out = core.prefill(canonical.token_ids, chunks, store=store, capacity=len(canonical))
+                report.computed_tokens += out.recomputed_tokens
+            # where blend reuse finds this document's chunks, whatever precedes it at query time
+            doc_start = token_offset(canonical, len(canonical.text) - len(doc))
+            record_sources(
+                core.registry,
+                core.namespace,
+                canonical.token_ids,
+                chunks,
+                [c.start >= doc_start for c in chunks],
+            )
+            if pin:
+                for chunk in chunks:
+                    store.pin(chunk.key)
+            core.registry.register([doc])
+            if progress is not None:
+                progress(len(canonical))
+        store.flush()
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def store_reply(core: EngineCore, messages: Sequence[Mapping[str, Any]], reply: str) -> WarmReport | None:
+    """Store ``messages`` and the assistant ``reply`` as the next turn renders them (see
+    :meth:`KVBoostEngine.store_reply`); None when there is nothing reusable to store."""
+    marker = f"\x02reply-end-{uuid.uuid4().hex}\x03"
+    following = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": marker}]
+    try:
+        head = segments_before(core.canonicalizer.segments_of(following, add_generation_prompt=False), marker)
+    except InvalidRequestError as e:  # a template that cannot render this: nothing to store
+        logger.debug("reply not stored for the next turn: %s", e)
+        return None
+    while head and (head[-1].kind == "glue" or not head[-1].text):
+        head.pop()  # the next message's opening belongs to the next turn's chunks
+    if not head:
+        return None
+    canonical = core.canonicalize(head, add_generation_prompt=False)
+    if core.assembler.exact_reuse_blocker(len(canonical) + 1) is not None:
+        return None  # beyond a sliding window: nothing of it could be reused
+    try:
+        return warm(core, head)
+    except ContextWindowExceededError:
+        return None
+
+
+def token_offset(prompt: CanonicalPrompt, char_offset: int) -> int:
+    """Token offset of the first segment that starts at ``char_offset`` of the prompt text or later.
+
+    A paragraph cut (:func:`~kvboost_rag.canonical.split_paragraphs`) leaves a break's newlines
+    with the paragraph after it, so a segment that starts with newlines just before counts too.
+    """
+    position = 0
+    for segment, (start, _) in zip(prompt.segments, prompt.segment_spans, strict=True):
+        lead = segment.text[: max(char_offset - position, 0)]
+        if lead.strip("\n") == "" and len(lead) < len(segment.text):
+            return start
+        position += len(segment.text)
+    return len(prompt)
