@@ -55,11 +55,13 @@ class RowOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
-    """``stop``, ``length``, or ``cancelled``."""
+    """``stop``, ``length``, ``cancelled``, or ``error``."""
     first_logits: torch.Tensor
     """float32 ``[vocab]`` of the first generated position."""
     first_token_at: float
     """``time.perf_counter()`` when the row's first token was chosen."""
+    error: Exception | None = None
+    """What ended the row, when ``finish_reason`` is ``error``."""
 
 
 def run_batch(
@@ -123,7 +125,13 @@ def run_batch(
                     stream.text, list(stream.ids), "cancelled", first_logits[i], first_token_at[i]
                 )
                 continue
-            token = select_token(logits[b], row.request, generators[i])
+            try:
+                token = select_token(logits[b], row.request, generators[i])
+            except Exception as e:  # this row alone fails; the others go on
+                outputs[i] = RowOutput(
+                    stream.text, list(stream.ids), "error", first_logits[i], first_token_at[i], error=e
+                )
+                continue
             if step == 0:
                 first_token_at[i] = time.perf_counter()
             stream.push(token)

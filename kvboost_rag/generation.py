@@ -159,60 +159,56 @@ class Generation:
     ) -> list[GenerationResult | BaseException]:
         core = self.core
         t_prefill = time.perf_counter()
-        rows = []
-        prefix_keys = []
+        results: list[GenerationResult | BaseException | None] = [None] * len(prepared)
+        rows: dict[int, BatchRow] = {}  # by request index: the requests whose prefix prefill went well
         with core.lock:
-            for p, cancel in zip(prepared, cancels, strict=True):
-                chunks = core.chunks(p.canonical)
-                prefix_keys.append([(c.key, c.end) for c in chunks[:-1]])
-                store = core.store if p.mode == "exact" else None
-                prefix = None
-                if len(chunks) > 1:  # every chunk but the last, exactly
-                    prefix = core.prefill(
-                        p.canonical.token_ids,
-                        chunks[:-1],
-                        store=store,
-                        capacity=chunks[-1].start,
-                        need_logits=False,
-                    )
-                rows.append(
-                    BatchRow(
-                        p.canonical.token_ids, prefix, chunks[-1].start, p.request, p.max_new_tokens, cancel
-                    )
-                )
+            for i, (p, cancel) in enumerate(zip(prepared, cancels, strict=True)):
+                try:
+                    rows[i] = self._batch_row(p, cancel)
+                except Exception as e:  # this request alone fails; the others still run
+                    results[i] = e
+        if not rows:
+            return results  # type: ignore[return-value]
+        keys = [[(c.key, c.end) for c in core.chunks(prepared[i].canonical)[:-1]] for i in rows]
         shared = 0  # tokens of the leading chunks that every row has (same keys: same KV)
-        for column in zip(*prefix_keys, strict=False):  # up to the shortest prefix
+        for column in zip(*keys, strict=False):  # up to the shortest prefix
             if any(key != column[0] for key in column):
                 break
             shared = column[0][1]
-        outputs = run_batch(core.assembler, core.tokenizer, rows, core.eos_ids, core.lock, shared)
+        outputs = run_batch(
+            core.assembler, core.tokenizer, list(rows.values()), core.eos_ids, core.lock, shared
+        )
         done = time.perf_counter()
-        results: list[GenerationResult | BaseException] = []
-        for p, row, out in zip(prepared, rows, outputs, strict=True):
-            if out.finish_reason == "cancelled":
-                results.append(CancelledError())
+        for (i, row), out in zip(rows.items(), outputs, strict=True):
+            p = prepared[i]
+            if out.finish_reason == "cancelled" or out.error is not None:
+                results[i] = out.error or CancelledError()
                 continue
-            recomputed = (
-                (row.prefix.recomputed_tokens if row.prefix else 0) + len(p.canonical) - row.prefix_tokens
-            )
+            prefix_recomputed = row.prefix.recomputed_tokens if row.prefix else 0
+            recomputed = prefix_recomputed + len(p.canonical) - row.prefix_tokens
             timings = Timings(
                 out.first_token_at - p.submitted_at, done - p.submitted_at, out.first_token_at - t_prefill
             )
+            finish = cast(FinishReason, out.finish_reason)  # "cancelled" and "error" are left above
             note = core.reuse_note if p.mode == "exact" else None
-            results.append(
-                _result(
-                    p,
-                    row.prefix,
-                    out.text,
-                    out.token_ids,
-                    cast(FinishReason, out.finish_reason),  # "cancelled" left above
-                    recomputed,
-                    timings,
-                    out.first_logits,
-                    note,
-                )
+            results[i] = _result(
+                p, row.prefix, out.text, out.token_ids, finish, recomputed, timings, out.first_logits, note
             )
-        return results
+        return results  # type: ignore[return-value]
+
+    def _batch_row(self, p: Prepared, cancel: threading.Event | None) -> BatchRow:
+        """A request as a batch row: every chunk but the last prefilled exactly (through the store in
+        exact mode); the last runs with the other rows."""
+        core = self.core
+        chunks = core.chunks(p.canonical)
+        prefix = None
+        if len(chunks) > 1:
+            store = core.store if p.mode == "exact" else None
+            capacity = chunks[-1].start
+            prefix = core.prefill(
+                p.canonical.token_ids, chunks[:-1], store=store, capacity=capacity, need_logits=False
+            )
+        return BatchRow(p.canonical.token_ids, prefix, chunks[-1].start, p.request, p.max_new_tokens, cancel)
 
     def _steps(self, prepared: Prepared) -> Generator[StreamChunk, None, StreamChunk]:
         """Prefill and decode one request, yielding text deltas; returns the last delta with the result."""

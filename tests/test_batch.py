@@ -18,6 +18,7 @@ import torch
 from helpers import essay_paragraphs, tiny_model, tiny_tokenizer
 
 from kvboost_rag import EngineConfig, InvalidRequestError, KVBoostEngine, Request, Segment
+from kvboost_rag import batch as batch_module
 from kvboost_rag import generation as engine_module
 
 SHARED = Segment("A key-value cache stores attention keys and values for every token of the prompt. " * 3)
@@ -149,6 +150,52 @@ def test_a_bad_request_fails_alone():
         futures[1].result()
     assert futures[0].result().token_ids == results[0].token_ids
     assert futures[2].result().finish_reason in ("stop", "length")
+
+
+def test_extreme_sampling_settings_in_a_batch_do_not_fail_it():
+    # Once, temperature 1e-300 or top_p 1e-300 made the sampler's probabilities NaN, and the error
+    # failed every request of the batch; now such a request samples (like greedy) beside the others.
+    engine = make_engine()
+    lone = [engine.generate(p, max_new_tokens=4) for p in prompts()]
+    extreme = [
+        Request(prompts()[0], max_new_tokens=4),
+        Request(prompts()[1], max_new_tokens=4, temperature=1e-300, seed=1),
+        Request(prompts()[2], max_new_tokens=4, temperature=1.0, top_p=1e-300, seed=2),
+        Request(prompts()[3], max_new_tokens=4),
+    ]
+    results = engine.generate_batch(extreme, return_exceptions=True)
+    assert [r.token_ids for r in results] == [r.token_ids for r in lone]  # the extremes act greedily
+
+
+@pytest.mark.parametrize("stage", ["prefill", "sampling"])
+def test_a_request_failing_inside_the_batch_fails_alone(monkeypatch, stage):
+    engine = make_engine()
+    lone = [engine.generate(p, max_new_tokens=5) for p in prompts()]
+    engine = make_engine()
+    batch = prompts()
+    poisoned = batch[1]
+    if stage == "prefill":
+        real_row = engine.generation._batch_row
+
+        def row(p, cancel):
+            if p.request.prompt is poisoned:
+                raise MemoryError("no room for this prefix")
+            return real_row(p, cancel)
+
+        monkeypatch.setattr(engine.generation, "_batch_row", row)
+    else:
+        real_select = batch_module.select_token
+
+        def select(logits, request, generator):
+            if request.prompt is poisoned:
+                raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+            return real_select(logits, request, generator)
+
+        monkeypatch.setattr(batch_module, "select_token", select)
+    results = engine.generate_batch(batch, max_new_tokens=5, return_exceptions=True)
+    assert isinstance(results[1], MemoryError if stage == "prefill" else RuntimeError)
+    for i in (0, 2, 3):
+        assert results[i].token_ids == lone[i].token_ids
 
 
 def test_scheduler_merges_concurrent_callers(monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvboost_rag.request import Request
@@ -105,3 +106,18 @@ def test_unseeded_generator_leaves_the_global_rng_alone():
     torch.manual_seed(0)
     Request("p", temperature=1.0).generator(CPU)
     assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"temperature": 1e-300},
+        {"temperature": 1e-40},
+        {"temperature": 1.0, "top_p": 1e-300},
+        {"temperature": 1e-300, "top_p": 0.5, "top_k": 3},
+    ],
+)
+def test_extreme_settings_sample_the_top_token_instead_of_failing(settings):
+    scores = logits(seed=4)
+    request = Request("p", seed=0, **settings)
+    assert samples(request, scores, n=5) == [int(scores.argmax())] * 5

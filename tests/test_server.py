@@ -336,6 +336,7 @@ USER = [{"role": "user", "content": "Hi"}]
         ),
         ("/v1/chat/completions", {"messages": USER, "temperature": -1}, "temperature", "temperature"),
         ("/v1/chat/completions", {"messages": USER, "stop": ["", "x"]}, "non-empty", "stop"),
+        ("/v1/chat/completions", {"messages": USER, "temperature": 1, "seed": 2**64}, "smaller seed", None),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": LONG}]},
@@ -437,6 +438,26 @@ def test_concurrent_requests_are_served_in_one_batch(engine, served, monkeypatch
     assert all(r.status_code == 200 for r in responses)
     assert all(r.json()["usage"]["completion_tokens"] == 3 for r in responses)
     assert sizes and max(sizes) >= 2  # the first one runs alone; those that queued behind it share a batch
+
+
+def test_a_poisoned_request_in_a_batch_fails_alone(engine, served):
+    # Once, a seed of 2**64 or a temperature of 1e-300 inside a batch made every request of it a 500.
+    normal = [f"Poison question {i}?" for i in range(4)]
+    extremes = [
+        {"temperature": 1e-300},
+        {"temperature": 1, "top_p": 1e-300},
+        {"temperature": 1, "seed": 2**64},
+    ]
+    with ThreadPoolExecutor(7) as pool:
+        with model_busy(engine):  # everything queues up, to be served together
+            futures = [pool.submit(post_chat, served.url, q) for q in normal]
+            futures += [pool.submit(post_chat, served.url, "Poison?", **extra) for extra in extremes]
+            wait_until(lambda: len(served.service.admission.tickets) == 6, what="six admitted requests")
+        responses = [f.result() for f in futures]
+    assert [r.status_code for r in responses] == [200] * 6 + [400]
+    assert "smaller seed" in responses[-1].json()["error"]["message"]
+    alone = [post_chat(served.url, q).json()["choices"][0]["message"]["content"] for q in normal]
+    assert [r.json()["choices"][0]["message"]["content"] for r in responses[:4]] == alone
 
 
 def test_timeouts_answer_504_and_stop_the_generation(engine, monkeypatch):
