@@ -7,23 +7,21 @@ Exit codes: 0 success, 1 verify found bad entries, 2 bad input or usage,
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequestError, ModelNotFoundError, StoreError, UnsupportedModelError
 from .models import ALIASES, kvboost_home
+from .sources import iter_documents
 
 if TYPE_CHECKING:
     from .engine import KVBoostEngine
     from .store import DiskStore
 
 EXIT_OK, EXIT_BAD_ENTRIES, EXIT_BAD_INPUT, EXIT_MODEL, EXIT_STORE = 0, 1, 2, 3, 4
-DOCUMENT_SUFFIXES = (".txt", ".md", ".rst")
 
 
 def _default_store() -> str:
@@ -170,48 +168,19 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM/SIGINT, how long running requests may finish before they are stopped",
     )
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a key clients must send as 'Authorization: Bearer <key>' (repeatable; it shows in the "
+        "process list, so prefer --api-keys-file or the KVBOOST_API_KEY environment variable)",
+    )
+    srv.add_argument("--api-keys-file", default=None, help="file with one API key per line")
+    srv.add_argument(
+        "--metrics-public", action="store_true", help="serve /metrics without a key (/health always is)"
+    )
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
-
-
-# -- documents --------------------------------------------------------------------------------
-
-
-def iter_documents(sources: list[str]) -> Iterator[str]:
-    """Texts from folders, JSONL files (``text`` field) and glob patterns, in a stable order."""
-    for source in sources:
-        path = Path(source).expanduser()
-        if path.is_dir():
-            wanted = (*DOCUMENT_SUFFIXES, ".jsonl")
-            files = sorted(p for p in path.rglob("*") if p.suffix.lower() in wanted and p.is_file())
-        elif path.is_file():
-            files = [path]
-        else:
-            files = [Path(p) for p in sorted(glob.glob(source, recursive=True)) if Path(p).is_file()]
-            if not files:
-                raise InvalidRequestError(f"{source!r} is not a folder, a file or a glob that matches files")
-        for file in files:
-            if file.suffix.lower() == ".jsonl":
-                yield from _jsonl_texts(file)
-            else:
-                yield file.read_text(encoding="utf-8")
-
-
-def _jsonl_texts(file: Path) -> Iterator[str]:
-    with open(file, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                text = record["text"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise InvalidRequestError(
-                    f"{file}:{n}: each JSONL line needs a JSON object with a 'text' field"
-                ) from e
-            if not isinstance(text, str):
-                raise InvalidRequestError(f"{file}:{n}: 'text' must be a string")
-            yield text
 
 
 def system_prefix(engine: Any, system: str) -> str:
@@ -398,7 +367,12 @@ def _serve(args: argparse.Namespace) -> int:
             "--max-queue and --default-max-tokens must be >= 1, --request-timeout-s > 0"
         )
     from .server import serve
+    from .server.auth import ApiKeys
 
+    try:
+        keys = ApiKeys.gather(args.api_key, args.api_keys_file)
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from e
     engine = _engine(args, args.store)
     # serve() closes the engine on shutdown (flushing pending store writes)
     serve(
@@ -411,6 +385,8 @@ def _serve(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout_s,
         default_max_tokens=args.default_max_tokens,
         shutdown_grace_s=args.shutdown_grace_s,
+        api_keys=keys,
+        metrics_public=args.metrics_public,
     )
     return EXIT_OK
 

@@ -440,6 +440,22 @@ def test_concurrent_requests_are_served_in_one_batch(engine, served, monkeypatch
     assert sizes and max(sizes) >= 2  # the first one runs alone; those that queued behind it share a batch
 
 
+def test_official_client_needs_the_servers_api_key(engine):
+    app = create_app(engine, model_name=MODEL, api_keys=["sk-right"], close_engine=False)
+    messages = chat(SYSTEM + "(keys)")
+    with running(app) as s:
+        no_key = post_chat(s.url, "Who am I?")  # the official client refuses to send no key at all
+        assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+        with openai.OpenAI(base_url=f"{s.url}/v1", api_key="sk-wrong", max_retries=0) as c:
+            with pytest.raises(openai.AuthenticationError) as e:
+                c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+            assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+        with openai.OpenAI(base_url=f"{s.url}/v1", api_key="sk-right", max_retries=0) as c:
+            reply = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+            assert reply.usage.completion_tokens == 2
+        assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
+
+
 def test_a_poisoned_request_in_a_batch_fails_alone(engine, served):
     # Once, a seed of 2**64 or a temperature of 1e-300 inside a batch made every request of it a 500.
     normal = [f"Poison question {i}?" for i in range(4)]
@@ -549,7 +565,8 @@ def test_serve_command_drains_and_flushes_the_store_on_sigterm(tmp_path):
         "--log-level",
         "warning",
     ]
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # the key from the environment, where the process list does not show it
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "KVBOOST_API_KEY": "sk-cli"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
 
@@ -562,7 +579,9 @@ def test_serve_command_drains_and_flushes_the_store_on_sigterm(tmp_path):
 
         wait_until(healthy, timeout=90, what="the server to start")
         body = {"model": "tiny", "messages": chat(SYSTEM), "max_tokens": 16, "temperature": 0, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 401
+        key = {"Authorization": "Bearer sk-cli"}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=key, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")  # admitted and streaming
             proc.send_signal(signal.SIGTERM)

@@ -8,7 +8,7 @@ generation, streaming and shutdown of one app), ``errors`` (OpenAI-shaped error 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import KVBoostEngine
+from .auth import ApiKeyMiddleware, ApiKeys
 from .errors import validation_message
 from .middleware import MetricsMiddleware
 from .protocol import error_body
@@ -36,6 +37,8 @@ def create_app(
     default_max_tokens: int = 256,
     shutdown_grace_s: float = 30.0,
     close_engine: bool = True,
+    api_keys: ApiKeys | Sequence[str] = (),
+    metrics_public: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible FastAPI app over ``engine``.
 
@@ -49,6 +52,9 @@ def create_app(
     ``max_tokens``. On shutdown the app admits nothing more, waits up to
     ``shutdown_grace_s`` for admitted requests, stops the rest and, with
     ``close_engine``, closes the engine, which flushes pending store writes.
+
+    With ``api_keys``, requests need ``Authorization: Bearer <key>`` (else 401), except
+    ``/health`` and, with ``metrics_public``, ``/metrics``.
 
     >>> app = create_app(engine, model_name="smollm2-135m-instruct")  # doctest: +SKIP
     >>> uvicorn.run(app, host="127.0.0.1", port=8000)  # doctest: +SKIP
@@ -76,7 +82,10 @@ def create_app(
         title="kvboost-rag", summary="OpenAI-compatible server with KV-cache reuse", lifespan=lifespan
     )
     app.state.kvboost = service  # the routes' `service` dependency reads it from here
-    app.add_middleware(MetricsMiddleware, metrics=service.metrics)
+    keys = api_keys if isinstance(api_keys, ApiKeys) else ApiKeys(api_keys)
+    open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+    app.add_middleware(ApiKeyMiddleware, keys=keys, open_paths=open_paths)
+    app.add_middleware(MetricsMiddleware, metrics=service.metrics)  # outermost: it counts the 401s too
     app.exception_handler(RequestValidationError)(_invalid_body)
     app.exception_handler(StarletteHTTPException)(_http_error)
     app.include_router(router)
@@ -145,7 +154,8 @@ def serve(
     """Serve ``engine`` over HTTP until SIGTERM/SIGINT, then drain and close it.
 
     ``app_options`` are those of :func:`create_app` (``model_name``, ``max_queue``,
-    ``request_timeout_s``, ``default_max_tokens``, ``shutdown_grace_s``).
+    ``request_timeout_s``, ``default_max_tokens``, ``shutdown_grace_s``, ``api_keys``,
+    ``metrics_public``).
     """
     app = create_app(engine, **app_options)
     create_server(app, host=host, port=port, log_level=log_level).run()

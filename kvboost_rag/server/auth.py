@@ -1,0 +1,110 @@
+"""API keys: which requests the server answers.
+
+With keys configured, every endpoint but ``/health`` (and ``/metrics`` when it is made
+public) needs ``Authorization: Bearer <key>``; anything else gets OpenAI's 401. Keys are
+kept only as SHA-256 digests and compared in constant time, so neither a repr, a log line
+nor the time a refusal takes tells anything about them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .protocol import error_body
+
+API_KEY_ENV = "KVBOOST_API_KEY"
+"""Environment variable with the server's key (several: separated by commas)."""
+
+
+class ApiKeys:
+    """The keys a server accepts; none configured: every request is accepted.
+
+    >>> keys = ApiKeys(["k-123"])
+    >>> keys.accepts("Bearer k-123"), keys.accepts("Bearer k-124"), keys.accepts(None)
+    (True, False, False)
+    >>> keys
+    ApiKeys(1 key)
+    """
+
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        self._digests = [_digest(key) for key in dict.fromkeys(k.strip() for k in keys) if key]
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def __repr__(self) -> str:
+        n = len(self._digests)
+        return f"ApiKeys({n} key{'' if n == 1 else 's'})"
+
+    def accepts(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header value carries one of the keys (always, with none set)."""
+        if not self._digests:
+            return True
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        offered = _digest(token.strip())
+        matched = False
+        for digest in self._digests:  # no early exit: the time taken does not say which key matched
+            matched |= hmac.compare_digest(digest, offered)
+        return matched and scheme.lower() == "bearer"
+
+    @classmethod
+    def gather(
+        cls,
+        keys: Sequence[str] = (),
+        keys_file: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ApiKeys:
+        """Keys from the arguments, a file (one per line; blank lines and ``#`` comments skipped)
+        and :data:`API_KEY_ENV`.
+
+        >>> ApiKeys.gather(["a"], env={"KVBOOST_API_KEY": "b, c"})
+        ApiKeys(3 keys)
+        """
+        found = list(keys)
+        if keys_file is not None:
+            try:
+                lines = Path(keys_file).expanduser().read_text(encoding="utf-8").splitlines()
+            except OSError as e:
+                raise ValueError(f"cannot read the API keys file {keys_file}: {e.strerror or e}") from e
+            found += [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        environ = os.environ if env is None else env
+        found += environ.get(API_KEY_ENV, "").split(",")
+        return cls(found)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+class ApiKeyMiddleware:
+    """Answers 401 (OpenAI's shape, ``WWW-Authenticate: Bearer``) to requests without a valid key,
+    except on the ``open_paths``."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys, open_paths: Iterable[str]) -> None:
+        self.app = app
+        self.keys = keys
+        self.open_paths = frozenset(open_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        raw = headers.get(b"authorization")
+        if raw is not None and self.keys.accepts(raw.decode("latin-1")):
+            await self.app(scope, receive, send)
+            return
+        if raw is None:
+            message = "no API key: send the header 'Authorization: Bearer <key>' with a key of this server"
+        else:
+            message = "the API key is not valid for this server; check the key the client sends"
+        body = error_body(message, "invalid_request_error", None, "invalid_api_key")
+        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
