@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 DEFAULT_INVARIANT_CHUNK = 64
 """Chunk size with the split-invariant forward: reuse to within 64 tokens of any shared prefix."""
@@ -13,6 +15,42 @@ DEFAULT_CANONICAL_CHUNK = 1024
 
 ReuseMode = Literal["exact", "blend", "off"]
 PrefillSchedule = Literal["auto", "invariant", "canonical"]
+
+REDACTED = "***"
+
+
+def redacted_url(url: str | None) -> str | None:
+    """``url`` with its password (if any) replaced, for dumps and logs.
+
+    >>> redacted_url("redis://:s3cret@cache.local:6379/0")
+    'redis://:***@cache.local:6379/0'
+    >>> redacted_url("redis://cache.local:6379/0")
+    'redis://cache.local:6379/0'
+    """
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{REDACTED}@{host}"))
+
+
+def redacted_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with every password-like value replaced (nested mappings too).
+
+    >>> redacted_options({"password": "s3cret", "client_options": {"username": "u", "password": "p"}})
+    {'password': '***', 'client_options': {'username': 'u', 'password': '***'}}
+    """
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if "password" in name.lower() and value is not None:
+            out[name] = REDACTED
+        elif isinstance(value, Mapping):
+            out[name] = redacted_options(value)
+        else:
+            out[name] = value
+    return out
 
 
 class EngineConfig(BaseModel):
@@ -112,6 +150,14 @@ class EngineConfig(BaseModel):
     store_last_logits: bool = True
     """Keep the final-position logits with the last chunk of each prompt, so that a repeated
     prompt needs no forward pass at all before its first token."""
+
+    @field_serializer("redis_url")
+    def _dump_redis_url(self, url: str | None) -> str | None:
+        return redacted_url(url)  # dumps and logs never carry the password; the engine reads the field
+
+    @field_serializer("redis_options")
+    def _dump_redis_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        return redacted_options(options)
 
     def chunk_tokens(self, *, invariant: bool) -> int:
         """``chunk_size``, or its default for the prefill schedule in use.

@@ -122,7 +122,8 @@ class KVBoostEngine:
         **config_overrides: Any,
     ) -> KVBoostEngine:
         """Load an alias (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``), HF id or local path."""
-        config = EngineConfig.model_validate((config or EngineConfig()).model_dump() | config_overrides)
+        base = dict(config or EngineConfig())  # the fields as set: a dump would redact the secrets
+        config = EngineConfig.model_validate(base | config_overrides)
         model, tokenizer = load_model(name_or_path, dtype=dtype, device=device)
         return cls(model, tokenizer, config=config, store_dir=store_dir, model_name=name_or_path)
 

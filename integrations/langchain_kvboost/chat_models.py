@@ -16,7 +16,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 from langchain_kvboost import tools as hermes
 from langchain_kvboost.messages import to_chat_messages
@@ -86,6 +86,12 @@ class ChatKVBoost(BaseChatModel):
     chunk_size: int | None = None
     """Tokens per stored chunk: the granularity of exact reuse (None: the engine's default, 64 tokens
     with the split-invariant forward)."""
+
+    @field_serializer("redis_url")
+    def _dump_redis_url(self, url: str | None) -> str | None:
+        from kvboost_rag.config import redacted_url
+
+        return redacted_url(url)  # dumps never carry the password
 
     @property
     def _llm_type(self) -> str:

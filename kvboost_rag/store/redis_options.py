@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import redis
@@ -25,15 +25,15 @@ class RedisOptions:
 
     key_prefix: str = "kvboost"
     """First part of every key; separates deployments that share a server."""
-    password: str | None = None
-    """Used when the URL carries none."""
+    password: str | None = field(default=None, repr=False)
+    """Used when the URL carries none (never shown in a repr)."""
     ssl_ca_certs: str | None = None
     """TLS CA bundle (``rediss://`` URLs only, as are the two below)."""
     ssl_certfile: str | None = None
     """Client certificate, for servers that authenticate clients by TLS."""
     ssl_keyfile: str | None = None
     """The client certificate's private key."""
-    client_options: Mapping[str, Any] | None = None
+    client_options: Mapping[str, Any] | None = field(default=None, repr=False)
     """Further ``redis.Redis`` arguments (``username``, ``ssl_cert_reqs``, ...); they win over ours."""
     ttl_s: float | None = None
     """Expiry of each entry, renewed when it is read; ``None``: no expiry."""

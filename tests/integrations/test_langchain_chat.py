@@ -182,3 +182,10 @@ def test_batch_and_abatch_are_served_in_shared_batches(monkeypatch):
     sizes.clear()
     assert [m.content for m in asyncio.run(model.abatch(questions))] == alone
     assert max(sizes) > 1
+
+
+def test_the_redis_password_never_leaves_in_a_dump():
+    chat = ChatKVBoost(redis_url="redis://:s3cret@127.0.0.1:1/0")
+    for shown in (repr(chat), str(chat.model_dump()), chat.model_dump_json()):
+        assert "s3cret" not in shown
+    assert chat.redis_url == "redis://:s3cret@127.0.0.1:1/0"

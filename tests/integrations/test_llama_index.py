@@ -326,3 +326,9 @@ def test_concurrent_async_calls_share_batches(monkeypatch):
 
     assert [r.message.content for r in asyncio.run(together())] == alone
     assert max(sizes) > 1
+
+
+def test_the_redis_password_never_leaves_in_a_dump():
+    llm = KVBoost(redis_url="redis://:s3cret@127.0.0.1:1/0")
+    assert "s3cret" not in llm.to_json() and "s3cret" not in repr(llm) and "s3cret" not in str(llm.to_dict())
+    assert llm.redis_url == "redis://:s3cret@127.0.0.1:1/0"

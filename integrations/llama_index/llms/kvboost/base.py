@@ -23,7 +23,7 @@ from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 from llama_index.llms.kvboost.messages import to_chat_messages
-from pydantic import Field
+from pydantic import Field, field_serializer
 
 if TYPE_CHECKING:
     from kvboost_rag import GenerationResult, KVBoostEngine, Request, StreamChunk
@@ -111,6 +111,12 @@ class KVBoost(LLM):
     context_window: int | None = Field(
         default=None, gt=0, description="Context window reported to LlamaIndex; None: the model's own."
     )
+
+    @field_serializer("redis_url")
+    def _dump_redis_url(self, url: str | None) -> str | None:
+        from kvboost_rag.config import redacted_url
+
+        return redacted_url(url)  # dumps never carry the password
 
     @classmethod
     def class_name(cls) -> str:
