@@ -32,7 +32,23 @@ with the content it belongs to, so a message's chunks are the same in every late
 
 
 def normalize_text(text: str) -> str:
-    """Line endings to ``\\n`` and Unicode NFC: the same at indexing and at query time."""
+    """Line endings to ``\\n`` and Unicode NFC: the same at indexing and at query time.
+
+    Text that is not valid Unicode (a lone UTF-16 surrogate, as JSON's ``"\\ud800"`` gives) is refused:
+
+    >>> normalize_text("ok \\ud800")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    kvboost_rag.errors.InvalidRequestError: the text has a lone surrogate '\\ud800' at character 3; ...
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        msg = (
+            f"the text has a lone surrogate {text[e.start]!r} at character {e.start}; "
+            "send valid Unicode (a surrogate pair, or the character itself)"
+        )
+        raise InvalidRequestError(msg) from None
     return unicodedata.normalize("NFC", text.replace("\r\n", "\n").replace("\r", "\n"))
 
 

@@ -337,6 +337,14 @@ USER = [{"role": "user", "content": "Hi"}]
         ("/v1/chat/completions", {"messages": USER, "temperature": -1}, "temperature", "temperature"),
         ("/v1/chat/completions", {"messages": USER, "stop": ["", "x"]}, "non-empty", "stop"),
         ("/v1/chat/completions", {"messages": USER, "temperature": 1, "seed": 2**64}, "smaller seed", None),
+        # once a 500 with a traceback in the log
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a\ud800"}]},
+            "lone surrogate",
+            None,
+        ),
+        ("/v1/completions", {"prompt": "x\udfff", "stream": True}, "lone surrogate", None),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": LONG}]},
@@ -355,7 +363,9 @@ USER = [{"role": "user", "content": "Hi"}]
     ],
 )
 def test_bad_requests_get_openai_shaped_400s(served, path, body, words, param):
-    r = httpx.post(f"{served.url}{path}", json=body, timeout=30)
+    # json.dumps escapes a lone surrogate as JSON allows ("\ud800"); httpx's encoder would refuse it
+    headers = {"content-type": "application/json"}
+    r = httpx.post(f"{served.url}{path}", content=json.dumps(body), headers=headers, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
