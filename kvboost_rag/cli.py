@@ -85,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         help="blend mode: share of reused document tokens to recompute (default: the engine's setting)",
     )
     gen.add_argument("--json", action="store_true", help="print the result with usage and timings as JSON")
+    gen.add_argument("--cache-salt", default=None, help="tenant of the KV cache (default: the shared one)")
 
     pre = sub.add_parser("prewarm", help="compute and store the KV of documents ahead of queries")
     pre.add_argument(
@@ -102,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
         "up to the start of the user message that holds the documents",
     )
     pre.add_argument("--pin", action="store_true", help="never evict these documents")
+    pre.add_argument(
+        "--cache-salt", default=None, help="pre-warm for this tenant's requests only (default: shared)"
+    )
     pre.add_argument("--quiet", action="store_true", help="no progress bar")
 
     stats = sub.add_parser("stats", help="entries, bytes and reads per namespace of a store")
@@ -211,6 +215,7 @@ def _generate(args: argparse.Namespace) -> int:
             stop=args.stop,
             reuse=args.reuse,
             blend_recompute_ratio=args.blend_ratio,
+            cache_salt=args.cache_salt,
         )
         if args.json:
             r = engine.generate(prompt, **kwargs)
@@ -254,7 +259,9 @@ def _prewarm(args: argparse.Namespace) -> int:
                 bar.update(1)
                 bar.set_postfix(tok_per_s=f"{tokens[0] / max(bar.format_dict['elapsed'], 1e-9):.0f}")
 
-            report = engine.prewarm(documents, prefix=prefix, pin=args.pin, progress=progress)
+            report = engine.prewarm(
+                documents, prefix=prefix, pin=args.pin, progress=progress, cache_salt=args.cache_salt
+            )
     print(
         f"prewarmed {report.documents} documents ({report.skipped} already stored) into {args.store}: "
         f"{report.tokens} tokens, {report.computed_tokens} computed in {report.seconds:.1f} s "

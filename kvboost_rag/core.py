@@ -18,7 +18,7 @@ from .canonical import Canonicalizer, CanonicalPrompt, PromptInput
 from .config import EngineConfig
 from .errors import ContextWindowExceededError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
-from .keys import Chunk, make_namespace, plan_chunks
+from .keys import Chunk, make_namespace, plan_chunks, salted
 from .registry import DocumentRegistry
 from .rope import RopeShifter
 from .runner import PrefillOutcome, prefill
@@ -50,8 +50,9 @@ class EngineCore:
     def canonicalize(self, prompt: PromptInput, *, add_generation_prompt: bool = True) -> CanonicalPrompt:
         return self.canonicalizer.canonicalize(prompt, add_generation_prompt=add_generation_prompt)
 
-    def chunks(self, canonical: CanonicalPrompt) -> list[Chunk]:
-        return plan_chunks(canonical, self.chunk_size, self.namespace)
+    def chunks(self, canonical: CanonicalPrompt, salt: str | None = None) -> list[Chunk]:
+        """The prompt's chunks, keyed under the tenant ``salt`` (None: the shared keys)."""
+        return plan_chunks(canonical, self.chunk_size, salted(self.namespace, salt))
 
     def prefill(self, token_ids: Sequence[int], chunks: Sequence[Chunk], **kwargs: Any) -> PrefillOutcome:
         """:func:`~kvboost_rag.runner.prefill` with the configured forward size."""

@@ -135,14 +135,10 @@ class KVBoostEngine:
 
     def generate(self, prompt: PromptInput | Request, **settings: Any) -> GenerationResult:
         """Generate a completion. ``prompt``: a string, a list of strings/Segments, chat messages, or a
-        :class:`~kvboost_rag.Request`; ``settings`` are :class:`~kvboost_rag.Request` fields
-        (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
-        ``return_logits``, ``add_generation_prompt``, ``reuse``, ``blend_recompute_ratio``).
+        :class:`~kvboost_rag.Request`; ``settings``: its fields (``max_new_tokens``, ``temperature``,
+        ``top_p``, ``top_k``, ``seed``, ``stop``, ``reuse``, ``cache_salt``, ...), each documented there.
 
-        ``reuse`` overrides the engine's mode for this request: ``"off"`` runs the uncached path,
-        ``"blend"`` also reuses pre-warmed documents at new positions (approximate; counted in
-        ``usage.approx_tokens``). Calls from several threads at once are served in batches
-        (see :meth:`submit`).
+        Calls from several threads at once are served in batches (see :meth:`submit`).
         """
         request = Request.coerce(prompt, settings)
         if self.config.max_batch_size == 1:
@@ -155,10 +151,8 @@ class KVBoostEngine:
             raise
 
     def stream(self, prompt: PromptInput | Request, **settings: Any) -> Iterator[StreamChunk]:
-        """Like :meth:`generate`, yielding text deltas; the last item carries the result.
-
-        Streams run one at a time, outside the batches.
-        """
+        """Like :meth:`generate`, yielding text deltas; the last item carries the result (streams run
+        one at a time, outside the batches)."""
         request = Request.coerce(prompt, settings)
         return self.generation.stream(self.generation.prepare(request, time.perf_counter()))
 
@@ -179,10 +173,8 @@ class KVBoostEngine:
         return self._scheduler.submit(request)
 
     async def agenerate(self, prompt: PromptInput | Request, **settings: Any) -> GenerationResult:
-        """:meth:`generate` for asyncio: served by the scheduler, so the event loop is never blocked.
-
-        Cancelling the awaiting task stops the request at its next token.
-        """
+        """:meth:`generate` for asyncio: served by the scheduler, so the event loop is never blocked;
+        cancelling the awaiting task stops the request at its next token."""
         return await asyncio.wrap_future(self.submit(Request.coerce(prompt, settings)))
 
     def generate_batch(
@@ -219,9 +211,12 @@ class KVBoostEngine:
 
     # -- warm-up ---------------------------------------------------------------
 
-    def warm(self, prompt: PromptInput, *, add_generation_prompt: bool = False) -> WarmReport:
-        """Prefill a prompt (a system prompt, shared context) into the store without generating."""
-        return warm(self.core, prompt, add_generation_prompt=add_generation_prompt)
+    def warm(
+        self, prompt: PromptInput, *, add_generation_prompt: bool = False, cache_salt: str | None = None
+    ) -> WarmReport:
+        """Prefill a prompt (a system prompt, shared context) into the store without generating;
+        ``cache_salt``: for that tenant's requests only (see :attr:`Request.cache_salt`)."""
+        return warm(self.core, prompt, add_generation_prompt=add_generation_prompt, salt=cache_salt)
 
     def prewarm(
         self,
@@ -230,6 +225,7 @@ class KVBoostEngine:
         prefix: str | Sequence[Segment] = "",
         pin: bool = False,
         progress: Callable[[int], None] | None = None,
+        cache_salt: str | None = None,
     ) -> PrewarmReport:
         """Store the exact KV of ``prefix + document`` for each document and register the documents.
 
@@ -246,13 +242,16 @@ class KVBoostEngine:
         document ends), and blend reuse finds the document's paragraphs anywhere.
         Pre-warming never changes a prompt's tokens, only what is stored. Documents
         already stored are skipped, so an interrupted run can simply be started again.
-        ``progress`` is called with the token count of each finished document.
+        ``progress`` is called with the token count of each finished document. With
+        ``cache_salt`` the documents serve that tenant's requests only.
 
         >>> engine.prewarm(["Paris is the capital of France."], prefix="Context:\\n\\n")  # doctest: +SKIP
         """
-        return prewarm(self.core, documents, prefix=prefix, pin=pin, progress=progress)
+        return prewarm(self.core, documents, prefix=prefix, pin=pin, progress=progress, salt=cache_salt)
 
-    def store_reply(self, messages: Sequence[Mapping[str, Any]], reply: str) -> WarmReport | None:
+    def store_reply(
+        self, messages: Sequence[Mapping[str, Any]], reply: str, *, cache_salt: str | None = None
+    ) -> WarmReport | None:
         """Store ``messages`` followed by the assistant ``reply`` as the next turn will render them.
 
         The engine does this by itself after each chat answer (``EngineConfig.store_replies``);
@@ -263,7 +262,7 @@ class KVBoostEngine:
 
         >>> engine.store_reply([{"role": "user", "content": "Hi"}], "Hello!")  # doctest: +SKIP
         """
-        return store_reply(self.core, messages, reply)
+        return store_reply(self.core, messages, reply, cache_salt)
 
     # -- state and lifetime ------------------------------------------------------
 

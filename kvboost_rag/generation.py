@@ -23,7 +23,7 @@ from .canonical import CanonicalPrompt, is_messages
 from .config import ReuseMode
 from .core import EngineCore
 from .followups import FollowUps
-from .keys import Chunk
+from .keys import Chunk, salted
 from .request import Request
 from .results import FinishReason, GenerationResult, StreamChunk, Timings, Usage
 from .runner import PrefillOutcome, decode, holding_writes
@@ -152,7 +152,8 @@ class Generation:
             return
         if not is_messages(messages) or not request.add_generation_prompt:
             return
-        self.followups.submit(lambda: store_reply(self.core, messages, result.text))  # type: ignore[arg-type]
+        salt = request.cache_salt  # the reply is the tenant's too
+        self.followups.submit(lambda: store_reply(self.core, messages, result.text, salt))  # type: ignore[arg-type]
 
     def _batch_rows(
         self, prepared: list[Prepared], cancels: list[threading.Event | None]
@@ -169,7 +170,10 @@ class Generation:
                     results[i] = e
         if not rows:
             return results  # type: ignore[return-value]
-        keys = [[(c.key, c.end) for c in core.chunks(prepared[i].canonical)[:-1]] for i in rows]
+        keys = [
+            [(c.key, c.end) for c in core.chunks(prepared[i].canonical, prepared[i].request.cache_salt)[:-1]]
+            for i in rows
+        ]
         shared = 0  # tokens of the leading chunks that every row has (same keys: same KV)
         for column in zip(*keys, strict=False):  # up to the shortest prefix
             if any(key != column[0] for key in column):
@@ -200,7 +204,7 @@ class Generation:
         """A request as a batch row: every chunk but the last prefilled exactly (through the store in
         exact mode); the last runs with the other rows."""
         core = self.core
-        chunks = core.chunks(p.canonical)
+        chunks = core.chunks(p.canonical, p.request.cache_salt)
         prefix = None
         if len(chunks) > 1:
             store = core.store if p.mode == "exact" else None
@@ -259,7 +263,7 @@ class Generation:
         if not chunked:  # plain generation: one forward over the whole prompt through the model's own cache
             chunks = [Chunk(0, n_prompt, "")]
         else:
-            chunks = core.chunks(canonical)
+            chunks = core.chunks(canonical, prepared.request.cache_salt)
         if prepared.mode == "blend" and chunked:
             with holding_writes(core.assembler):
                 return blend_prefill(
@@ -269,7 +273,7 @@ class Generation:
                     chunks,
                     store=core.store,
                     registry=core.registry,
-                    namespace=core.namespace,
+                    namespace=salted(core.namespace, prepared.request.cache_salt),
                     settings=core.blend_settings(prepared.request.blend_recompute_ratio),
                     capacity=capacity,
                     store_last_logits=core.config.store_last_logits,

@@ -7,8 +7,9 @@ message, glue that closes one with the message before it, so a chat message's
 chunks are the same in every later turn. Glue left at the very end (the
 generation prompt) is a group of its own: in the next turn it opens the reply.
 
-The *prefix key* of a chunk is SHA-256 chained over the namespace and every
-chunk up to and including it: same key ⇔ same namespace, position and prefix.
+The *prefix key* of a chunk is SHA-256 chained over the namespace (salted per
+tenant, :func:`salted`) and every chunk up to and including it: same key ⇔ same
+namespace, salt, position and prefix.
 """
 
 from __future__ import annotations
@@ -44,6 +45,23 @@ def make_namespace(**parts: str) -> str:
     """
     text = "|".join(f"{k}={parts[k]}" for k in sorted(parts))
     return hashlib.sha256(f"kvboost-kv-v{KV_LAYOUT_VERSION}|{text}".encode()).hexdigest()
+
+
+def salted(namespace: str, salt: str | None) -> str:
+    """The key root of one tenant: ``namespace`` itself without a salt, else a digest of both.
+
+    Prefix and content keys start from it, so no key under one salt equals a key under another
+    salt or under none: tenants neither read each other's KV nor learn by timing what is stored.
+
+    >>> ns = make_namespace(model="m")
+    >>> salted(ns, None) == ns, salted(ns, "a") == salted(ns, "a"), salted(ns, "a") == salted(ns, "b")
+    (True, True, False)
+    """
+    if salt is None:
+        return namespace
+    return hashlib.sha256(
+        bytes.fromhex(namespace) + b"salt" + salt.encode("utf-8", "surrogatepass")
+    ).hexdigest()
 
 
 def _token_bytes(ids: Sequence[int]) -> bytes:

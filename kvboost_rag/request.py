@@ -55,6 +55,10 @@ class Request:
     pre-warmed documents at new positions (approximate; counted in ``usage.approx_tokens``)."""
     blend_recompute_ratio: float | None = None
     """Blend mode: share of reused document tokens recomputed (None: the engine's setting)."""
+    cache_salt: str | None = None
+    """Tenant of the KV this request reads and writes: requests with different salts (or one with
+    a salt and one without) never share stored KV, nor can they tell by timing what the other
+    stored. None: the shared store."""
 
     def __post_init__(self) -> None:
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -81,6 +85,10 @@ class Request:
         if self.reuse is not None and self.reuse not in REUSE_MODES:
             msg = f"reuse={self.reuse!r} is not a reuse mode; use 'exact', 'blend' or 'off'"
             raise InvalidRequestError(msg)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidRequestError(
+                f"cache_salt must be a non-empty string (got {self.cache_salt!r}); or None"
+            )
         ratio = self.blend_recompute_ratio
         if ratio is not None and not 0.0 <= ratio <= 1.0:
             raise InvalidRequestError(

@@ -12,19 +12,22 @@ from .blend import record_sources
 from .canonical import CanonicalPrompt, PromptInput, Segment, normalize_text, segments_before
 from .core import EngineCore
 from .errors import ContextWindowExceededError, InvalidRequestError
+from .keys import salted
 from .results import PrewarmReport, WarmReport
 
 logger = logging.getLogger(__name__)
 
 
-def warm(core: EngineCore, prompt: PromptInput, *, add_generation_prompt: bool = False) -> WarmReport:
-    """Prefill ``prompt`` into the store (see :meth:`KVBoostEngine.warm`)."""
+def warm(
+    core: EngineCore, prompt: PromptInput, *, add_generation_prompt: bool = False, salt: str | None = None
+) -> WarmReport:
+    """Prefill ``prompt`` into the store, under the tenant ``salt`` (see :meth:`KVBoostEngine.warm`)."""
     t0 = time.perf_counter()
     canonical = core.canonicalize(prompt, add_generation_prompt=add_generation_prompt)
     core.check_window(len(canonical), 0)
     with core.lock:
         out = core.prefill(
-            canonical.token_ids, core.chunks(canonical), store=core.store, capacity=len(canonical)
+            canonical.token_ids, core.chunks(canonical, salt), store=core.store, capacity=len(canonical)
         )
     return WarmReport(
         len(canonical), sum(out.cached_by_tier.values()), out.stored_tokens, time.perf_counter() - t0
@@ -38,6 +41,7 @@ def prewarm(
     prefix: str | Sequence[Segment],
     pin: bool,
     progress: Callable[[int], None] | None,
+    salt: str | None = None,
 ) -> PrewarmReport:
     """Store and register each document after ``prefix`` (see :meth:`KVBoostEngine.prewarm`)."""
     head = [Segment(prefix, "text")] if isinstance(prefix, str) else list(prefix)
@@ -56,7 +60,7 @@ def prewarm(
                 [*before, Segment(last.text + doc, last.kind)], add_generation_prompt=False
             )
             core.check_window(len(canonical), 0)
-            chunks = core.chunks(canonical)
+            chunks = core.chunks(canonical, salt)
             report.documents += 1
             report.tokens += len(canonical)
             report.keys.append(chunks[-1].key)
@@ -69,7 +73,7 @@ def prewarm(
             doc_start = token_offset(canonical, len(canonical.text) - len(doc))
             record_sources(
                 core.registry,
-                core.namespace,
+                salted(core.namespace, salt),
                 canonical.token_ids,
                 chunks,
                 [c.start >= doc_start for c in chunks],
@@ -85,7 +89,9 @@ def prewarm(
     return report
 
 
-def store_reply(core: EngineCore, messages: Sequence[Mapping[str, Any]], reply: str) -> WarmReport | None:
+def store_reply(
+    core: EngineCore, messages: Sequence[Mapping[str, Any]], reply: str, salt: str | None = None
+) -> WarmReport | None:
     """Store ``messages`` and the assistant ``reply`` as the next turn renders them (see
     :meth:`KVBoostEngine.store_reply`); None when there is nothing reusable to store."""
     marker = f"\x02reply-end-{uuid.uuid4().hex}\x03"
@@ -103,7 +109,7 @@ def store_reply(core: EngineCore, messages: Sequence[Mapping[str, Any]], reply: 
     if core.assembler.exact_reuse_blocker(len(canonical) + 1) is not None:
         return None  # beyond a sliding window: nothing of it could be reused
     try:
-        return warm(core, head)
+        return warm(core, head, salt=salt)
     except ContextWindowExceededError:
         return None
 

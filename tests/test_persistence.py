@@ -203,3 +203,23 @@ def test_cli_errors_have_exit_codes(tmp_path, capsys):
         capsys, "prewarm", str(tmp_path / "nothing-*.txt"), "--store", str(tmp_path / "s")
     )
     assert code == 2 and "not a folder" in err
+
+
+def test_cli_prewarms_and_generates_for_one_tenant(model_dir, tmp_path):
+    doc = essay_paragraphs(1, max_chars=600)[0]
+    (tmp_path / "doc.txt").write_text(doc)
+    common = ["--model", str(model_dir), "--dtype", "float32", "--store", str(tmp_path / "store")]
+    done = cli(
+        "prewarm", str(tmp_path / "doc.txt"), *common, "--prefix", PREFIX, "--cache-salt", "t-a", "--quiet"
+    )
+    assert done.returncode == 0, done.stderr
+
+    def cached(*salt: str) -> int:
+        out = cli(
+            "generate", "--raw", PREFIX + doc + QUESTION, *common, "--max-new-tokens", "1", "--json", *salt
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["usage"]["cached_tokens"]
+
+    assert cached("--cache-salt", "t-b") == 0 and cached() == 0
+    assert cached("--cache-salt", "t-a") > 0

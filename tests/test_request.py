@@ -76,7 +76,7 @@ def test_settings_by_name_name_the_unknown_one():
     assert Request.of("p", {"top_k": 5}) == Request("p", top_k=5)
     with pytest.raises(InvalidRequestError, match="unknown setting 'temprature'; known: max_new_tokens"):
         Request.of("p", {"temprature": 0.5})
-    assert SETTINGS[0] == "max_new_tokens" and "prompt" not in SETTINGS and len(SETTINGS) == 10
+    assert SETTINGS[0] == "max_new_tokens" and "prompt" not in SETTINGS and len(SETTINGS) == 11
 
 
 def test_with_settings_changes_and_checks_again():
@@ -87,3 +87,10 @@ def test_with_settings_changes_and_checks_again():
         base.with_settings(top_k=-1)
     with pytest.raises(InvalidRequestError, match="unknown setting"):
         base.with_settings(topk=1)
+
+
+def test_cache_salt_must_be_a_non_empty_string():
+    assert Request("p", cache_salt="tenant-a").cache_salt == "tenant-a"
+    for bad in ("", 7):
+        with pytest.raises(InvalidRequestError, match="cache_salt must be a non-empty string"):
+            Request("p", cache_salt=bad)

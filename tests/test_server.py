@@ -466,6 +466,27 @@ def test_official_client_needs_the_servers_api_key(engine):
         assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
 
 
+def test_each_api_key_is_a_tenant_of_the_cache(engine):
+    # Once, tenant B's right guess at tenant A's private prompt came back fast with cached_tokens > 0.
+    app = create_app(engine, model_name=MODEL, api_keys=["sk-tenant-a", "sk-tenant-b"], close_engine=False)
+    messages = chat(SYSTEM + "(tenant A's private prompt)")
+
+    def cached(key: str, **extra: Any) -> int:
+        with openai.OpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0) as c:
+            reply = c.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=1, temperature=0, extra_body=extra
+            )
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    with running(app) as s:
+        assert cached("sk-tenant-a") == 0
+        assert cached("sk-tenant-b") == 0  # B's guess reads nothing of A's
+        assert cached("sk-tenant-a") > 0  # A's own hit
+        assert cached("sk-tenant-a", cache_salt="project-x") == 0  # a salt partitions a tenant further
+        assert cached("sk-tenant-b", cache_salt="project-x") == 0  # and never reaches across keys
+        assert cached("sk-tenant-a", cache_salt="project-x") > 0
+
+
 def test_a_poisoned_request_in_a_batch_fails_alone(engine, served):
     # Once, a seed of 2**64 or a temperature of 1e-300 inside a batch made every request of it a 500.
     normal = [f"Poison question {i}?" for i in range(4)]

@@ -86,6 +86,9 @@ class ChatKVBoost(BaseChatModel):
     chunk_size: int | None = None
     """Tokens per stored chunk: the granularity of exact reuse (None: the engine's default, 64 tokens
     with the split-invariant forward)."""
+    cache_salt: str | None = Field(default=None, min_length=1)
+    """Tenant of the KV cache: models with different salts never share stored KV (None: shared);
+    also per call (``invoke(..., cache_salt=...)``)."""
 
     @field_serializer("redis_url")
     def _dump_redis_url(self, url: str | None) -> str | None:

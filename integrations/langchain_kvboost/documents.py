@@ -48,7 +48,8 @@ def prewarm_documents(
     The prompt is rendered into segments, exactly as :class:`ChatKVBoost` renders
     it at query time, with a marker in place of the context; the segments before
     the marker are the prefix. A query whose context starts with one of these
-    documents then reads its KV from the store. Returns the engine's ``PrewarmReport``.
+    documents then reads its KV from the store (under ``llm.cache_salt``: the documents
+    serve that tenant's requests). Returns the engine's ``PrewarmReport``.
     """
     from kvboost_rag.canonical import segments_before
     from langchain_kvboost.messages import to_chat_messages
@@ -63,4 +64,5 @@ def prewarm_documents(
     engine = llm.engine
     segments = engine.canonicalizer.segments_of(to_chat_messages(prompt.format_messages(**variables)))
     prefix = segments_before(segments, _MARKER)
-    return engine.prewarm([d.page_content for d in documents], prefix=prefix, pin=pin)
+    texts = [d.page_content for d in documents]
+    return engine.prewarm(texts, prefix=prefix, pin=pin, cache_salt=llm.cache_salt)

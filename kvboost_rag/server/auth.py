@@ -1,7 +1,8 @@
 """API keys: which requests the server answers.
 
 With keys configured, every endpoint but ``/health`` (and ``/metrics`` when it is made
-public) needs ``Authorization: Bearer <key>``; anything else gets OpenAI's 401. Keys are
+public) needs ``Authorization: Bearer <key>``; anything else gets OpenAI's 401. Each key
+is a tenant: its requests read and write the KV cache under their own salt. Keys are
 kept only as SHA-256 digests and compared in constant time, so neither a repr, a log line
 nor the time a refusal takes tells anything about them.
 """
@@ -18,6 +19,9 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .protocol import error_body
+
+TENANT_STATE = "kvboost_tenant"
+"""Where the middleware leaves the caller's tenant in the request state."""
 
 API_KEY_ENV = "KVBOOST_API_KEY"
 """Environment variable with the server's key (several: separated by commas)."""
@@ -45,14 +49,19 @@ class ApiKeys:
 
     def accepts(self, authorization: str | None) -> bool:
         """Whether an ``Authorization`` header value carries one of the keys (always, with none set)."""
-        if not self._digests:
-            return True
+        return not self._digests or self.tenant(authorization) is not None
+
+    def tenant(self, authorization: str | None) -> str | None:
+        """The tenant of the key an ``Authorization`` header carries (a digest of it), or None."""
         scheme, _, token = (authorization or "").strip().partition(" ")
         offered = _digest(token.strip())
-        matched = False
+        found = None
         for digest in self._digests:  # no early exit: the time taken does not say which key matched
-            matched |= hmac.compare_digest(digest, offered)
-        return matched and scheme.lower() == "bearer"
+            if hmac.compare_digest(digest, offered):
+                found = digest
+        if found is None or scheme.lower() != "bearer":
+            return None
+        return "key-" + found.hex()[:32]
 
     @classmethod
     def gather(
@@ -98,7 +107,9 @@ class ApiKeyMiddleware:
             return
         headers = dict(scope["headers"])
         raw = headers.get(b"authorization")
-        if raw is not None and self.keys.accepts(raw.decode("latin-1")):
+        tenant = self.keys.tenant(raw.decode("latin-1")) if raw is not None else None
+        if tenant is not None:
+            scope.setdefault("state", {})[TENANT_STATE] = tenant  # each key is a tenant of the KV cache
             await self.app(scope, receive, send)
             return
         if raw is None:

@@ -76,6 +76,9 @@ class _Sampling(_OpenAIOnly):
     """Stop strings, trimmed from the output."""
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
+    """Partitions the KV cache (as in vLLM): requests share stored KV only with the same salt
+    (and API key); a guess at another salt's prompt is never faster."""
 
     def token_limit(self) -> int | None:
         """The most tokens to generate, as the body asks (None: the server's default)."""
@@ -144,8 +147,14 @@ def _refuse_unsupported(body: _Sampling) -> None:
         raise BadRequest("stop strings must be non-empty; remove the empty string from stop", "stop")
 
 
-def to_request(body: _Sampling, prompt: PromptInput, default_max_tokens: int) -> Request:
+def to_request(
+    body: _Sampling, prompt: PromptInput, default_max_tokens: int, tenant: str | None = None
+) -> Request:
     """The engine request for ``prompt`` with the body's sampling settings.
+
+    Its cache salt is the ``tenant`` (the caller's API key, as a digest) joined with the
+    body's ``cache_salt``: a body can partition its tenant's cache further, never reach
+    another tenant's.
 
     Raises :class:`BadRequest` for settings this server does not implement, and
     :class:`~kvboost_rag.errors.InvalidRequestError` (from :class:`~kvboost_rag.request.Request`)
@@ -167,6 +176,7 @@ def to_request(body: _Sampling, prompt: PromptInput, default_max_tokens: int) ->
         top_k=body.top_k or 0,
         seed=body.seed,
         stop=body.stop or None,
+        cache_salt=":".join(part for part in (tenant, body.cache_salt) if part) or None,
     )
 
 

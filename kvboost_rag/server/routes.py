@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..canonical import PromptInput
 from ..errors import InvalidRequestError
+from .auth import TENANT_STATE
 from .errors import error_response
 from .metrics import CONTENT_TYPE
 from .protocol import (
@@ -66,7 +67,8 @@ async def _generate(
     """Check the body, build the engine request and serve it; ``prompt`` runs inside the check so
     its refusals are answered like those of the settings (a 400 naming the field)."""
     try:
-        request = to_request(body, prompt(), service.default_max_tokens)
+        tenant = getattr(http.state, TENANT_STATE, None)  # set by the API key middleware
+        request = to_request(body, prompt(), service.default_max_tokens, tenant)
     except InvalidRequestError as e:  # BadRequest names the field; Request's own checks do not
         return error_response(e)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -189,3 +190,16 @@ def test_the_redis_password_never_leaves_in_a_dump():
     for shown in (repr(chat), str(chat.model_dump()), chat.model_dump_json()):
         assert "s3cret" not in shown
     assert chat.redis_url == "redis://:s3cret@127.0.0.1:1/0"
+
+
+def test_cache_salt_keeps_tenants_apart():
+    messages = [("system", "Tenant notes (LangChain): the vault code is 0417."), ("human", "Hi")]
+
+    def cached(model: ChatKVBoost, **kw: Any) -> int:
+        return model.invoke(messages, **kw).response_metadata["kvboost"]["cached_tokens"]
+
+    tenant_a, tenant_b = llm(max_tokens=1, cache_salt="tenant-a"), llm(max_tokens=1, cache_salt="tenant-b")
+    assert cached(tenant_a) == 0
+    assert cached(tenant_b) == 0 and cached(llm(max_tokens=1)) == 0
+    assert cached(tenant_a) > 0
+    assert cached(tenant_b, cache_salt="tenant-a") > 0  # per call too

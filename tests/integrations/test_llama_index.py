@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -332,3 +333,22 @@ def test_the_redis_password_never_leaves_in_a_dump():
     llm = KVBoost(redis_url="redis://:s3cret@127.0.0.1:1/0")
     assert "s3cret" not in llm.to_json() and "s3cret" not in repr(llm) and "s3cret" not in str(llm.to_dict())
     assert llm.redis_url == "redis://:s3cret@127.0.0.1:1/0"
+
+
+def test_cache_salt_keeps_tenants_apart():
+    messages = [
+        ChatMessage(role="system", content="Tenant notes (LlamaIndex): the vault code is 0417."),
+        ChatMessage(role="user", content="Hi"),
+    ]
+
+    def cached(model: KVBoost, **kw: Any) -> int:
+        return model.chat(messages, **kw).raw["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    tenant_a, tenant_b = (
+        llm(max_new_tokens=1, cache_salt="tenant-a"),
+        llm(max_new_tokens=1, cache_salt="tenant-b"),
+    )
+    assert cached(tenant_a) == 0
+    assert cached(tenant_b) == 0 and cached(llm(max_new_tokens=1)) == 0
+    assert cached(tenant_a) > 0
+    assert cached(tenant_b, cache_salt="tenant-a") > 0  # per call too

@@ -686,3 +686,14 @@ def test_framework_adapters_pass_the_redis_url_and_hide_it(monkeypatch):
         llm.engine  # noqa: B018  (the property opens the engine)
         assert "hunter2" not in repr(llm)
     assert [spec.redis_url for spec in seen] == [secret, secret]
+
+
+def test_tenant_salts_hold_through_redis(tiny, url):
+    prompt = [PREFIX, Segment(DOCUMENT, "document"), QUESTION]
+    cfg = {"redis_url": url, "redis_options": FAST}
+    with engine_with(tiny, **cfg) as writer:
+        writer.generate(prompt, max_new_tokens=2, cache_salt="tenant-a")
+    with engine_with(tiny, **cfg) as reader:  # another worker: only Redis has the KV
+        assert reader.generate(prompt, max_new_tokens=2, cache_salt="tenant-b").usage.cached_tokens == 0
+        hit = reader.generate(prompt, max_new_tokens=2, cache_salt="tenant-a").usage
+        assert hit.cached_tokens_by_tier == {"redis": hit.prompt_tokens}

@@ -103,6 +103,11 @@ class KVBoost(LLM):
         le=1.0,
         description="Blend mode: share of reused node tokens recomputed (None: the engine's setting).",
     )
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Tenant of the KV cache: LLMs with different salts never share stored KV (None: shared).",
+    )
     chunk_size: int | None = Field(
         default=None,
         gt=0,

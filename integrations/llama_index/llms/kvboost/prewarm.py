@@ -130,7 +130,9 @@ class KVPrewarm(TransformComponent):
                 msg = f"node {node.node_id} has no text to pre-warm; drop empty nodes before KVPrewarm"
                 raise ValueError(msg)
             texts.append(text)
-        report = self.llm.engine.prewarm(texts, prefix=self.prefix(), pin=self.pin)
+        report = self.llm.engine.prewarm(
+            texts, prefix=self.prefix(), pin=self.pin, cache_salt=self.llm.cache_salt
+        )
         for node, key in zip(nodes, report.keys, strict=True):
             node.metadata[KEY_METADATA] = key
             for excluded in (node.excluded_llm_metadata_keys, node.excluded_embed_metadata_keys):
