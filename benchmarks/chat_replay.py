@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, machine, summary, timed  # noqa: E402
+from common import RESULTS_DIR, summary, timed, write_results  # noqa: E402
 from peers import ChatCache, LlamaCppPeer, llama_cpp_available, plain_prefill  # noqa: E402
 
 from kvboost_rag import EngineConfig, KVBoostEngine  # noqa: E402
@@ -171,19 +171,8 @@ def main() -> None:
         "llama_cpp_gguf": "SmolLM2-135M-Instruct.Q4_1.gguf" if llama else None,
     }
     engine.close()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "machine": machine(),
-                "settings": settings,
-                "seconds": time.perf_counter() - t0,
-                "turns": turns,
-                "conversations": per_conv,
-            },
-            indent=2,
-        )
-    )
+    seconds = time.perf_counter() - t0
+    write_results(out, settings=settings, seconds=seconds, turns=turns, conversations=per_conv)
     plot(turns, peers, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

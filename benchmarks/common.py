@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import platform
 import statistics
@@ -77,3 +78,9 @@ def machine() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def write_results(out: Path, **sections: Any) -> None:
+    """Write ``sections`` after a description of this machine, as indented JSON, to ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine(), **sections}, indent=2))

@@ -16,7 +16,6 @@ within 64 tokens, bitwise.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUESTIONS, RESULTS_DIR, essay_text, machine, summary, text_of_tokens  # noqa: E402
+from common import QUESTIONS, RESULTS_DIR, essay_text, summary, text_of_tokens, write_results  # noqa: E402
 
 from kvboost_rag import GenerationResult, KVBoostEngine  # noqa: E402
 from kvboost_rag.models import load_model  # noqa: E402
@@ -129,19 +128,8 @@ def main() -> None:
         "reuse": engine.stats()["reuse"],
     }
     engine.close()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "machine": machine(),
-                "settings": settings,
-                "seconds": time.perf_counter() - t0,
-                "flat_prefixes": rows,
-                "prewarmed": prewarm_row,
-            },
-            indent=2,
-        )
-    )
+    seconds = time.perf_counter() - t0
+    write_results(out, settings=settings, seconds=seconds, flat_prefixes=rows, prewarmed=prewarm_row)
     print(f"wrote {out}")
 
 

@@ -29,6 +29,11 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
 
 
+def model_and_store(model_dir, store) -> list[str]:
+    """The CLI options every command here shares: the tiny model in float32, and the store."""
+    return ["--model", str(model_dir), "--dtype", "float32", "--store", str(store)]
+
+
 def cold_reference(model_dir, prompt):
     engine = KVBoostEngine.from_pretrained(str(model_dir), dtype="float32", reuse="off")
     return engine.generate(prompt, max_new_tokens=8, return_logits=True)
@@ -41,19 +46,8 @@ def test_prewarm_in_one_process_then_documents_come_from_disk_in_another(model_d
     for i, d in enumerate(docs):
         (folder / f"{i}.txt").write_text(d)
     store = tmp_path / "store"
-    done = cli(
-        "prewarm",
-        str(folder),
-        "--model",
-        str(model_dir),
-        "--dtype",
-        "float32",
-        "--store",
-        str(store),
-        "--prefix",
-        PREFIX,
-        "--quiet",
-    )
+    prewarm = ["prewarm", str(folder), *model_and_store(model_dir, store)]
+    done = cli(*prewarm, "--prefix", PREFIX, "--quiet")
     assert done.returncode == 0, done.stderr
     assert "prewarmed 3 documents (0 already stored)" in done.stdout
 
@@ -72,38 +66,13 @@ def test_prewarm_in_one_process_then_documents_come_from_disk_in_another(model_d
     ref = cold_reference(model_dir, prompt)  # pre-warming changed nothing in the prompt's tokens
     assert torch.equal(r.first_logits, ref.first_logits) and r.token_ids == ref.token_ids
 
-    again = cli(
-        "prewarm",
-        str(folder),
-        "--model",
-        str(model_dir),
-        "--dtype",
-        "float32",
-        "--store",
-        str(store),
-        "--prefix",
-        PREFIX,
-        "--quiet",
-    )
+    again = cli(*prewarm, "--prefix", PREFIX, "--quiet")
     assert "(3 already stored)" in again.stdout, "a second run resumes by skipping stored documents"
 
     # Blend mode in a third process finds the later documents away from where they were pre-warmed.
-    blended = cli(
-        "generate",
-        "--raw",
-        PREFIX + docs[2] + "\n\n" + docs[0] + QUESTION,
-        "--model",
-        str(model_dir),
-        "--dtype",
-        "float32",
-        "--store",
-        str(store),
-        "--reuse",
-        "blend",
-        "--max-new-tokens",
-        "4",
-        "--json",
-    )
+    blended_prompt = PREFIX + docs[2] + "\n\n" + docs[0] + QUESTION
+    options = [*model_and_store(model_dir, store), "--reuse", "blend", "--max-new-tokens", "4", "--json"]
+    blended = cli("generate", "--raw", blended_prompt, *options)
     assert blended.returncode == 0, blended.stderr
     usage = json.loads(blended.stdout)["usage"]
     assert usage["cached_tokens"] > 0 and usage["approx_tokens"] > 0
@@ -113,18 +82,7 @@ def test_full_prompt_from_disk_in_a_fresh_process_is_bitwise_identical(model_dir
     store = tmp_path / "store"
     prompt = PREFIX + essay_paragraphs(1)[0] + QUESTION
     first = cli(
-        "generate",
-        "--raw",
-        prompt,
-        "--model",
-        str(model_dir),
-        "--dtype",
-        "float32",
-        "--store",
-        str(store),
-        "--max-new-tokens",
-        "8",
-        "--json",
+        "generate", "--raw", prompt, *model_and_store(model_dir, store), "--max-new-tokens", "8", "--json"
     )
     assert first.returncode == 0, first.stderr
     written = json.loads(first.stdout)
@@ -208,7 +166,7 @@ def test_cli_errors_have_exit_codes(tmp_path, capsys):
 def test_cli_prewarms_and_generates_for_one_tenant(model_dir, tmp_path):
     doc = essay_paragraphs(1, max_chars=600)[0]
     (tmp_path / "doc.txt").write_text(doc)
-    common = ["--model", str(model_dir), "--dtype", "float32", "--store", str(tmp_path / "store")]
+    common = model_and_store(model_dir, tmp_path / "store")
     done = cli(
         "prewarm", str(tmp_path / "doc.txt"), *common, "--prefix", PREFIX, "--cache-salt", "t-a", "--quiet"
     )
