@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequestError, ModelNotFoundError, StoreError, UnsupportedModelError
+from .limits import ServerLimits
 from .models import ALIASES, kvboost_home
 from .sources import iter_documents
 
@@ -180,6 +181,9 @@ def _parser() -> argparse.ArgumentParser:
         "process list, so prefer --api-keys-file or the KVBOOST_API_KEY environment variable)",
     )
     srv.add_argument("--api-keys-file", default=None, help="file with one API key per line")
+    for option in ServerLimits.option_names():  # per-request limits: 413/400 past them
+        default, flag = getattr(ServerLimits(), option), f"--{option.replace('_', '-')}"
+        srv.add_argument(flag, type=int, default=default, help=ServerLimits.describe(option))
     srv.add_argument(
         "--metrics-public", action="store_true", help="serve /metrics without a key (/health always is)"
     )
@@ -376,8 +380,9 @@ def _serve(args: argparse.Namespace) -> int:
     from .server import serve
     from .server.auth import ApiKeys
 
-    try:
+    try:  # both are checked before the model loads
         keys = ApiKeys.gather(args.api_key, args.api_keys_file)
+        limits = ServerLimits(**{option: getattr(args, option) for option in ServerLimits.option_names()})
     except ValueError as e:
         raise InvalidRequestError(str(e)) from e
     engine = _engine(args, args.store)
@@ -394,6 +399,7 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_grace_s,
         api_keys=keys,
         metrics_public=args.metrics_public,
+        limits=limits,
     )
     return EXIT_OK
 

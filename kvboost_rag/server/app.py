@@ -20,9 +20,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import KVBoostEngine
+from ..limits import ServerLimits
 from .auth import ApiKeyMiddleware, ApiKeys
 from .errors import validation_message
-from .middleware import MetricsMiddleware
+from .middleware import BodyLimitMiddleware, MetricsMiddleware
 from .protocol import error_body
 from .routes import ENDPOINTS, router
 from .service import Service
@@ -39,6 +40,7 @@ def create_app(
     close_engine: bool = True,
     api_keys: ApiKeys | Sequence[str] = (),
     metrics_public: bool = False,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible FastAPI app over ``engine``.
 
@@ -54,7 +56,8 @@ def create_app(
     ``close_engine``, closes the engine, which flushes pending store writes.
 
     With ``api_keys``, requests need ``Authorization: Bearer <key>`` (else 401), except
-    ``/health`` and, with ``metrics_public``, ``/metrics``.
+    ``/health`` and, with ``metrics_public``, ``/metrics``. ``limits`` bound what one request
+    may ask for (:class:`~kvboost_rag.limits.ServerLimits`; its defaults when None).
 
     >>> app = create_app(engine, model_name="smollm2-135m-instruct")  # doctest: +SKIP
     >>> uvicorn.run(app, host="127.0.0.1", port=8000)  # doctest: +SKIP
@@ -84,7 +87,9 @@ def create_app(
     app.state.kvboost = service  # the routes' `service` dependency reads it from here
     keys = api_keys if isinstance(api_keys, ApiKeys) else ApiKeys(api_keys)
     open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
-    app.add_middleware(ApiKeyMiddleware, keys=keys, open_paths=open_paths)
+    app.state.limits = limits or ServerLimits()
+    app.add_middleware(BodyLimitMiddleware, max_bytes=app.state.limits.max_body_bytes)
+    app.add_middleware(ApiKeyMiddleware, keys=keys, open_paths=open_paths)  # before the body is read
     app.add_middleware(MetricsMiddleware, metrics=service.metrics)  # outermost: it counts the 401s too
     app.exception_handler(RequestValidationError)(_invalid_body)
     app.exception_handler(StarletteHTTPException)(_http_error)

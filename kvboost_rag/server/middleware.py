@@ -1,12 +1,14 @@
-"""ASGI middleware that records every HTTP exchange in the server's metrics."""
+"""ASGI middleware: every HTTP exchange recorded in the server's metrics, and request bodies bounded."""
 
 from __future__ import annotations
 
 import time
 
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .metrics import ServerMetrics
+from .protocol import error_body
 from .routes import endpoint_label
 
 
@@ -39,3 +41,54 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_and_watch)
         finally:
             self.metrics.record_request(endpoint, status, time.perf_counter() - t0)
+
+
+class BodyLimitMiddleware:
+    """Answers 413 to a request body over ``max_bytes``, declared or streamed, before the app parses it.
+
+    The body is read here (at most ``max_bytes`` of it) and handed to the app in one piece;
+    what the client sends after it (a disconnect) still reaches the app.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the app sees it as it would
+                await self.app(scope, _replay(message, receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        whole: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay(whole, receive), send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"the request body is over this server's {self.max_bytes}-byte limit; send less"
+        body = error_body(message, "invalid_request_error", None, "request_too_large")
+        await JSONResponse(body, status_code=413)(scope, receive, send)
+
+
+def _replay(first: Message, receive: Receive) -> Receive:
+    """``receive`` that answers ``first`` once, then passes through."""
+    pending = [first]
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replay

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..canonical import PromptInput
 from ..errors import InvalidRequestError
+from ..limits import ServerLimits
 from ..request import Request
 from ..results import GenerationResult
 
@@ -358,3 +359,26 @@ def sse(data: dict[str, Any] | str) -> bytes:
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def check_limits(body: _Sampling, limits: ServerLimits) -> None:
+    """Refuse a body that asks for more than ``limits`` allow, naming the field and the limit."""
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    if len(stops) > limits.max_stop:
+        raise BadRequest(f"{len(stops)} stop strings; this server takes at most {limits.max_stop}", "stop")
+    max_tokens = body.token_limit()
+    if max_tokens is not None and max_tokens > limits.max_tokens_cap:
+        msg = f"max_tokens={max_tokens} is above this server's cap of {limits.max_tokens_cap}; ask for fewer"
+        raise BadRequest(msg, "max_tokens")
+    if not isinstance(body, ChatCompletionRequest):
+        return
+    if len(body.messages) > limits.max_messages:
+        msg = f"{len(body.messages)} messages; this server takes at most {limits.max_messages} per request"
+        raise BadRequest(msg, "messages")
+    for i, message in enumerate(body.messages):
+        if isinstance(message.content, list) and len(message.content) > limits.max_content_parts:
+            msg = (
+                f"message {i} has {len(message.content)} content parts; "
+                f"this server takes at most {limits.max_content_parts} per message"
+            )
+            raise BadRequest(msg, "messages")

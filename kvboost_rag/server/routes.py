@@ -22,6 +22,7 @@ from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     chat_messages,
+    check_limits,
     completion_prompt,
     error_body,
     to_request,
@@ -67,6 +68,7 @@ async def _generate(
     """Check the body, build the engine request and serve it; ``prompt`` runs inside the check so
     its refusals are answered like those of the settings (a 400 naming the field)."""
     try:
+        check_limits(body, http.app.state.limits)
         tenant = getattr(http.state, TENANT_STATE, None)  # set by the API key middleware
         request = to_request(body, prompt(), service.default_max_tokens, tenant)
     except InvalidRequestError as e:  # BadRequest names the field; Request's own checks do not
