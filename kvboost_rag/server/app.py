@@ -21,9 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import KVBoostEngine
 from ..limits import ServerLimits
-from .auth import ApiKeyMiddleware, ApiKeys
+from .auth import ApiKeys
 from .errors import validation_message
-from .middleware import BodyLimitMiddleware, MetricsMiddleware
+from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from .protocol import error_body
 from .routes import ENDPOINTS, router
 from .service import Service

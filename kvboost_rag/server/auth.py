@@ -15,11 +15,6 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
-
-from .protocol import error_body
-
 TENANT_STATE = "kvboost_tenant"
 """Where the middleware leaves the caller's tenant in the request state."""
 
@@ -90,32 +85,3 @@ class ApiKeys:
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
-
-
-class ApiKeyMiddleware:
-    """Answers 401 (OpenAI's shape, ``WWW-Authenticate: Bearer``) to requests without a valid key,
-    except on the ``open_paths``."""
-
-    def __init__(self, app: ASGIApp, keys: ApiKeys, open_paths: Iterable[str]) -> None:
-        self.app = app
-        self.keys = keys
-        self.open_paths = frozenset(open_paths)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in self.open_paths:
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        raw = headers.get(b"authorization")
-        tenant = self.keys.tenant(raw.decode("latin-1")) if raw is not None else None
-        if tenant is not None:
-            scope.setdefault("state", {})[TENANT_STATE] = tenant  # each key is a tenant of the KV cache
-            await self.app(scope, receive, send)
-            return
-        if raw is None:
-            message = "no API key: send the header 'Authorization: Bearer <key>' with a key of this server"
-        else:
-            message = "the API key is not valid for this server; check the key the client sends"
-        body = error_body(message, "invalid_request_error", None, "invalid_api_key")
-        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)

@@ -1,18 +1,36 @@
-"""ASGI middleware: every HTTP exchange recorded in the server's metrics, and request bodies bounded."""
+"""ASGI middleware: metrics of every HTTP exchange, API keys, and bounded request bodies."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .auth import TENANT_STATE, ApiKeys
 from .metrics import ServerMetrics
 from .protocol import error_body
 from .routes import endpoint_label
 
 
-class MetricsMiddleware:
+class HTTPMiddleware:
+    """Pure ASGI middleware for HTTP exchanges: anything else (lifespan) passes straight through."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self.handle(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+class MetricsMiddleware(HTTPMiddleware):
     """Counts every HTTP exchange by endpoint and status, and times it to its last byte.
 
     Pure ASGI rather than ``BaseHTTPMiddleware``: a streamed response is timed until its
@@ -20,13 +38,10 @@ class MetricsMiddleware:
     """
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = endpoint_label(scope.get("path", ""))
         status = 500  # what the exchange counts as if the app raises before answering
         t0 = time.perf_counter()
@@ -43,7 +58,7 @@ class MetricsMiddleware:
             self.metrics.record_request(endpoint, status, time.perf_counter() - t0)
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HTTPMiddleware):
     """Answers 413 to a request body over ``max_bytes``, declared or streamed, before the app parses it.
 
     The body is read here (at most ``max_bytes`` of it) and handed to the app in one piece;
@@ -51,13 +66,10 @@ class BodyLimitMiddleware:
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(scope, receive, send)
@@ -92,3 +104,32 @@ def _replay(first: Message, receive: Receive) -> Receive:
         return pending.pop() if pending else await receive()
 
     return replay
+
+
+class ApiKeyMiddleware(HTTPMiddleware):
+    """Answers 401 (OpenAI's shape, ``WWW-Authenticate: Bearer``) to requests without a valid key,
+    except on the ``open_paths``."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys, open_paths: Iterable[str]) -> None:
+        super().__init__(app)
+        self.keys = keys
+        self.open_paths = frozenset(open_paths)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.keys or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        raw = headers.get(b"authorization")
+        tenant = self.keys.tenant(raw.decode("latin-1")) if raw is not None else None
+        if tenant is not None:
+            scope.setdefault("state", {})[TENANT_STATE] = tenant  # each key is a tenant of the KV cache
+            await self.app(scope, receive, send)
+            return
+        if raw is None:
+            message = "no API key: send the header 'Authorization: Bearer <key>' with a key of this server"
+        else:
+            message = "the API key is not valid for this server; check the key the client sends"
+        body = error_body(message, "invalid_request_error", None, "invalid_api_key")
+        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
