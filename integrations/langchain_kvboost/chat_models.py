@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel
@@ -16,7 +16,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
 from langchain_kvboost import tools as hermes
 from langchain_kvboost.messages import to_chat_messages
@@ -30,6 +30,13 @@ def clear_engines() -> None:
     from kvboost_rag.shared import close_shared_engines
 
     close_shared_engines()
+
+
+def _redacted(url: str | None) -> str | None:
+    """The URL as dumps show it: without its password (imported on use, so the adapter loads light)."""
+    from kvboost_rag.config import redacted_url
+
+    return redacted_url(url)
 
 
 class ChatKVBoost(BaseChatModel):
@@ -58,7 +65,7 @@ class ChatKVBoost(BaseChatModel):
     """Alias (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``), HF model id or local path."""
     store_dir: str | None = None
     """KV store directory shared across processes and restarts; None keeps KV in memory only."""
-    redis_url: str | None = Field(default=None, repr=False)
+    redis_url: Annotated[str | None, PlainSerializer(_redacted)] = Field(default=None, repr=False)
     """Shared Redis tier (``redis://host:port/0``) read by every worker process; None: off."""
     dtype: str = "auto"
     """Weights and KV dtype: ``auto`` (bfloat16 where the hardware runs it natively, else float32),
@@ -89,12 +96,6 @@ class ChatKVBoost(BaseChatModel):
     cache_salt: str | None = Field(default=None, min_length=1)
     """Tenant of the KV cache: models with different salts never share stored KV (None: shared);
     also per call (``invoke(..., cache_salt=...)``)."""
-
-    @field_serializer("redis_url")
-    def _dump_redis_url(self, url: str | None) -> str | None:
-        from kvboost_rag.config import redacted_url
-
-        return redacted_url(url)  # dumps never carry the password
 
     @property
     def _llm_type(self) -> str:

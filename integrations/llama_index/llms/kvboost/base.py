@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, cast
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -23,7 +23,7 @@ from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 from llama_index.llms.kvboost.messages import to_chat_messages
-from pydantic import Field, field_serializer
+from pydantic import Field, PlainSerializer
 
 if TYPE_CHECKING:
     from kvboost_rag import GenerationResult, KVBoostEngine, Request, StreamChunk
@@ -31,6 +31,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def _redacted(url: str | None) -> str | None:
+    """The URL as dumps show it: without its password (imported on use, so the adapter loads light)."""
+    from kvboost_rag.config import redacted_url
+
+    return redacted_url(url)
 
 
 class KVBoost(LLM):
@@ -70,7 +77,7 @@ class KVBoost(LLM):
         default=None,
         description="KV store directory shared across processes and restarts; None: memory only.",
     )
-    redis_url: str | None = Field(
+    redis_url: Annotated[str | None, PlainSerializer(_redacted)] = Field(
         default=None,
         repr=False,
         description="Shared Redis tier (redis://host:port/0) read by every worker; None: off.",
@@ -116,12 +123,6 @@ class KVBoost(LLM):
     context_window: int | None = Field(
         default=None, gt=0, description="Context window reported to LlamaIndex; None: the model's own."
     )
-
-    @field_serializer("redis_url")
-    def _dump_redis_url(self, url: str | None) -> str | None:
-        from kvboost_rag.config import redacted_url
-
-        return redacted_url(url)  # dumps never carry the password
 
     @classmethod
     def class_name(cls) -> str:
