@@ -24,6 +24,7 @@ Approximate KV is never stored: a prefix key always names exact KV.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,15 +110,18 @@ def blend_prefill(
     settings: BlendSettings,
     capacity: int,
     store_last_logits: bool = True,
+    stop: threading.Event | None = None,
 ) -> PrefillOutcome:
     """Fill a cache for ``prompt``: exact prefix, then reused documents with selective recompute.
 
-    The caller holds background writes back (:func:`~kvboost_rag.runner.holding_writes`), as for a prefill.
+    The caller holds background writes back (:func:`~kvboost_rag.runner.holding_writes`), as for a
+    prefill. Once ``stop`` is set, the prefill raises ``CancelledError`` at its next layer.
     """
     token_ids = prompt.token_ids
     is_doc = content_chunks(prompt, chunks)
     last = len(chunks) - 1
-    cache = assembler.new_cache(capacity + len(token_ids))  # room for the recomputed tokens' fresh KV
+    # room for the recomputed tokens' fresh KV
+    cache = assembler.new_cache(capacity + len(token_ids), stop=stop)
     reused: dict[int, torch.Tensor] = {}
 
     def record(first: int, end: int) -> None:  # computed passages are exact: blend may find them later

@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import unicodedata
 import uuid
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal, TypeGuard
+from typing import Any, Generic, Literal, TypeGuard, TypeVar
 
 from .errors import InvalidRequestError, UnsupportedModelError
 
@@ -160,6 +162,61 @@ def _content_texts(message: Message, index: int) -> list[str]:
     raise InvalidRequestError(msg)
 
 
+MESSAGE_END_WINDOW = 8
+"""Messages rendered up to each message to find where its text ends: the bound that keeps a
+conversation's canonicalization linear in its length (see :meth:`Canonicalizer.render_messages`)."""
+
+V = TypeVar("V", str, tuple[int, ...])
+
+
+class BoundedMemo(Generic[V]):
+    """A thread-safe memo by text that holds at most ``max_chars`` characters of keys, least recently
+    used dropped first; a key longer than an eighth of that is computed every time instead.
+
+    The values (token ids, rendered templates) grow with their keys, so the key characters bound
+    the memo's memory whatever the texts are.
+
+    >>> memo = BoundedMemo[str](max_chars=64)
+    >>> memo.get_or("abcd", str.upper), memo.get_or("abcd", str.lower)
+    ('ABCD', 'ABCD')
+    >>> memo.get_or("x" * 9, str.upper) and len(memo)  # 9 > 64 / 8: not kept
+    1
+    """
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self._entries: OrderedDict[str, V] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def get_or(self, key: str, compute: Callable[[str], V]) -> V:
+        """The value memoised for ``key``, else ``compute(key)`` (kept when it fits)."""
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+                return value
+        value = compute(key)
+        if len(key) * 8 > self.max_chars:
+            return value
+        with self._lock:
+            if key not in self._entries:
+                self._chars += len(key)
+            self._entries[key] = value
+            while self._chars > self.max_chars:
+                old, _ = self._entries.popitem(last=False)
+                self._chars -= len(old)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def chars(self) -> int:
+        """Characters of the keys held now."""
+        return self._chars
+
+
 def is_messages(prompt: object) -> TypeGuard[Sequence[Message]]:
     """Whether a prompt is a chat message list (rendered through the chat template)."""
     return (
@@ -174,16 +231,16 @@ class Canonicalizer:
     """Turns prompts into :class:`CanonicalPrompt` for one tokenizer.
 
     Segment tokenization is memoised by text, so a document that comes back in
-    every request is tokenized once.
+    every request is tokenized once; ``memo_chars`` bounds each memo (tokens, template
+    renders) by the characters of its keys, so its memory stays bounded whatever the prompts.
     """
 
-    def __init__(self, tokenizer: Any, *, cache_entries: int = 4096) -> None:
+    def __init__(self, tokenizer: Any, *, memo_chars: int = 4_000_000) -> None:
         self.tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._memo: dict[str, tuple[int, ...]] = {}
-        self._memo_limit = cache_entries
+        self._memo = BoundedMemo[tuple[int, ...]](memo_chars)
         self._nonce = uuid.uuid4().hex[:12]  # marker text for contents; per instance, never in user text
-        self._render_memo: dict[str, str] = {}
+        self._render_memo = BoundedMemo[str](memo_chars)
         self._bos_id = self._bos_to_prepend()
         self._anchor: tuple[str, int] | None = None
         self._anchor = self._find_anchor()
@@ -242,13 +299,7 @@ class Canonicalizer:
 
     def tokenize(self, text: str) -> tuple[int, ...]:
         """Canonical ids of one (already normalized) segment text; never adds special tokens."""
-        ids = self._memo.get(text)
-        if ids is None:
-            ids = self._tokenize_uncached(text)
-            if len(self._memo) >= self._memo_limit:
-                self._memo.pop(next(iter(self._memo)))  # drop the oldest entry
-            self._memo[text] = ids
-        return ids
+        return self._memo.get_or(text, self._tokenize_uncached)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -323,30 +374,30 @@ class Canonicalizer:
                 "pass a plain string or a segment list instead, or set tokenizer.chat_template"
             )
             raise UnsupportedModelError(msg)
-        nonce = self._nonce
         texts: list[str] = []
-        marked, real = [], []
+        counts: list[int] = []  # content blocks of each message
+        real = []
         for i, message in enumerate(messages):
             if "role" not in message:
                 raise InvalidRequestError(f"message {i} has no 'role'; every message needs role and content")
             # empty blocks get no marker: templates test `if message.content`
             blocks = [b for b in (normalize_text(t) for t in _content_texts(message, i)) if b]
-            markers = "".join(f"\x02{nonce}:{len(texts) + j}\x03" for j in range(len(blocks)))
             texts.extend(blocks)
-            marked.append({**message, "content": markers})
+            counts.append(len(blocks))
             real.append({**message, "content": "".join(blocks)})
+        marked = self._marked(messages, counts, first_block=0)
         rendered = self._render_marked(marked, add_generation_prompt, template_kwargs)
         expected = normalize_text(self._apply_template(real, add_generation_prompt, template_kwargs))
-        ends = self._message_ends(marked, rendered, template_kwargs)
+        ends = self._message_ends(messages, counts, rendered, template_kwargs)
         segments: list[Segment] = []
         order = []
         position = 0  # offset of the current piece in ``rendered``
         # re.split with a group alternates: glue, block index, glue, block index, ..., glue
-        for k, piece in enumerate(re.split(f"\x02{nonce}:(\\d+)\x03", rendered)):
+        for k, piece in enumerate(re.split(self._marker_pattern, rendered)):
             if k % 2 == 1:
                 order.append(int(piece))
                 segments.append(Segment(texts[int(piece)], "message"))
-                position += len(f"\x02{nonce}:{piece}\x03")
+                position += len(self._marker(int(piece)))
                 continue
             # Glue up to the last message end inside it closes that message; the rest opens the next.
             cuts = [e - position for e in ends if position < e <= position + len(piece)]
@@ -364,37 +415,73 @@ class Canonicalizer:
             return [Segment(expected, "text")]
         return segments
 
-    def _message_ends(self, marked: list[dict], rendered: str, template_kwargs: dict) -> list[int]:
-        """Offsets in ``rendered`` where each message's own text ends (from renders of message prefixes).
+    def _marker(self, block: int) -> str:
+        """The text that stands for content block ``block`` in a render."""
+        return f"\x02{self._nonce}:{block}\x03"
 
-        A template that renders a prefix differently from the start of the full
-        conversation gives no offset there; its glue then simply opens the next content.
+    @cached_property
+    def _marker_pattern(self) -> str:
+        return f"\x02{self._nonce}:(\\d+)\x03"
+
+    def _marked(self, messages: Sequence[Message], counts: Sequence[int], first_block: int) -> list[dict]:
+        """``messages`` with each content replaced by the markers of its blocks, numbered from
+        ``first_block``."""
+        marked = []
+        block = first_block
+        for message, count in zip(messages, counts, strict=True):
+            markers = "".join(self._marker(b) for b in range(block, block + count))
+            marked.append({**message, "content": markers})
+            block += count
+        return marked
+
+    def _message_ends(
+        self, messages: Sequence[Message], counts: list[int], rendered: str, template_kwargs: dict
+    ) -> list[int]:
+        """Offsets in ``rendered`` where each message's own text ends.
+
+        Message k ends where a render of the conversation that stops at k ends. Rendering
+        every such prefix would cost the square of the message count, so the render covers
+        at most :data:`MESSAGE_END_WINDOW` messages up to k (the whole prefix in a short
+        conversation; a shorter window where the template refuses to start there). Its text
+        after its last marker is then looked for right after that marker in ``rendered``.
+        Windows with the same roles and block counts render the same, so most are memoised.
+        A template whose window ends differently gives no offset there; its glue then simply
+        opens the next content.
         """
+        marker_ends = {int(m.group(1)): m.end() for m in re.finditer(self._marker_pattern, rendered)}
+        first_blocks = [0]  # global index of each message's first block
+        for count in counts:
+            first_blocks.append(first_blocks[-1] + count)
         ends = []
-        for k in range(1, len(marked) + 1):
-            try:
-                prefix = self._render_marked(marked[:k], False, template_kwargs)
-            except InvalidRequestError:
-                continue  # some templates refuse a conversation that ends on this role
-            if rendered.startswith(prefix):
-                ends.append(len(prefix))
+        owner = None  # the last message up to k that has a block
+        for k in range(len(messages)):
+            if counts[k]:
+                owner = k
+            if owner is None:
+                continue
+            last_block = first_blocks[owner + 1] - 1
+            for j in range(max(0, k - MESSAGE_END_WINDOW + 1), owner + 1):
+                window = self._marked(messages[j : k + 1], counts[j : k + 1], first_block=0)
+                try:
+                    text = self._render_marked(window, False, template_kwargs)
+                except InvalidRequestError:
+                    continue  # some templates refuse a conversation that starts or ends on this role
+                window_ends = [m.end() for m in re.finditer(self._marker_pattern, text)]
+                start = marker_ends.get(last_block)
+                if window_ends and start is not None:
+                    tail = text[window_ends[-1] :]
+                    if rendered.startswith(tail, start):
+                        ends.append(start + len(tail))
+                break
         return ends
 
     def _render_marked(self, marked: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
-        """Render messages whose contents are markers, memoised.
-
-        Finding message ends renders every prefix of the conversation; marked messages
-        hold no text, so those renders repeat across turns and are cached rather than
-        redone (which would make each request quadratic in its message count).
-        """
+        """Render messages whose contents are markers, memoised (marked messages hold no text, so
+        their renders repeat across turns and across windows of a conversation)."""
         key = json.dumps([marked, add_generation_prompt, kwargs], sort_keys=True, default=str)
-        rendered = self._render_memo.get(key)
-        if rendered is None:
-            rendered = self._apply_template(marked, add_generation_prompt, kwargs)
-            if len(self._render_memo) >= self._memo_limit:
-                self._render_memo.pop(next(iter(self._render_memo)))
-            self._render_memo[key] = rendered
-        return rendered
+        return self._render_memo.get_or(
+            key, lambda _: self._apply_template(marked, add_generation_prompt, kwargs)
+        )
 
     def _apply_template(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
         try:

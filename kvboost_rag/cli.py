@@ -13,13 +13,20 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidRequestError, ModelNotFoundError, StoreError, UnsupportedModelError
+from .errors import (
+    DamagedStoreError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    StoreError,
+    UnsupportedModelError,
+)
 from .limits import ServerLimits
 from .models import ALIASES, kvboost_home
 from .sources import iter_documents
 
 if TYPE_CHECKING:
     from .engine import KVBoostEngine
+    from .maintenance import VerifyReport
     from .store import DiskStore
 
 EXIT_OK, EXIT_BAD_ENTRIES, EXIT_BAD_INPUT, EXIT_MODEL, EXIT_STORE = 0, 1, 2, 3, 4
@@ -46,10 +53,52 @@ def _add_redis_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _octal_mode(text: str) -> int:
+    mode = int(text, 8)
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"{text} is not a file mode; pass octal permission bits such as 600 or 640")
+    return mode
+
+
+def _add_store_security_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--store-secret-file",
+        default=os.environ.get("KVBOOST_STORE_SECRET_FILE"),
+        help="file holding the store secret that signs every entry and must sign every entry read "
+        "(default: $KVBOOST_STORE_SECRET_FILE, else the secret itself in $KVBOOST_STORE_SECRET; "
+        "none: entries are checked, not signed); every process sharing the store needs it",
+    )
+    p.add_argument(
+        "--store-file-mode",
+        type=_octal_mode,
+        default=0o600,
+        help="permission bits of new store files, in octal (default: 600, directories 700; "
+        "640 or 660 to share the store with a group)",
+    )
+
+
+def _store_secret(args: argparse.Namespace) -> str | None:
+    """The store secret from ``--store-secret-file`` or ``$KVBOOST_STORE_SECRET`` (never a flag:
+    the process list would show it)."""
+    path = getattr(args, "store_secret_file", None)
+    if path:
+        try:
+            return Path(path).expanduser().read_text(encoding="utf-8").strip()
+        except OSError as e:
+            msg = f"cannot read the store secret file {path!r} ({e.strerror or e})"
+            raise InvalidRequestError(msg) from e
+    return os.environ.get("KVBOOST_STORE_SECRET") or None
+
+
 def _engine(args: argparse.Namespace, store_dir: str | None) -> Any:
     from .engine import KVBoostEngine
 
-    overrides = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
+    overrides: dict[str, Any] = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
+    secret = _store_secret(args)
+    if secret is not None:
+        overrides["store_secret"] = secret
+    if hasattr(args, "store_file_mode"):
+        overrides["store_file_mode"] = args.store_file_mode
     if getattr(args, "redis_url", None):
         overrides["redis_url"] = args.redis_url
     if getattr(args, "batch_window_ms", None) is not None:
@@ -65,6 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the user message (or raw prompt with --raw); '-' reads standard input")
     _add_model_args(gen)
     gen.add_argument("--store", default=None, help="KV store directory (default: memory only)")
+    _add_store_security_args(gen)
     _add_redis_args(gen)
     gen.add_argument("--system", default=None, help="system prompt")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
@@ -94,14 +144,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model_args(pre)
     pre.add_argument("--store", default=_default_store(), help="KV store directory (default: %(default)s)")
+    _add_store_security_args(pre)
     _add_redis_args(pre)
     group = pre.add_mutually_exclusive_group()
-    group.add_argument("--prefix", default=None, help="exact prompt text that precedes each document")
+    group.add_argument(
+        "--prefix", default=None, help="for flat prompts: the exact text that precedes each document"
+    )
     group.add_argument(
         "--system",
         default=None,
-        help="system prompt: the prefix is the chat template's text "
-        "up to the start of the user message that holds the documents",
+        help="for chat requests with this system prompt whose user message starts with a document "
+        "(as 'generate --system' and the server's chat endpoint send them)",
+    )
+    group.add_argument(
+        "--chat",
+        action="store_true",
+        help="for chat requests without a system message whose user message starts with a document",
     )
     pre.add_argument("--pin", action="store_true", help="never evict these documents")
     pre.add_argument(
@@ -115,6 +173,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ver = sub.add_parser("verify", help="check every entry; optionally recompute a sample bitwise")
     ver.add_argument("--store", default=_default_store())
+    _add_store_security_args(ver)
     ver.add_argument(
         "--sample", type=int, default=0, help="entries to recompute with --model and compare bitwise"
     )
@@ -122,7 +181,15 @@ def _parser() -> argparse.ArgumentParser:
 
     gc = sub.add_parser("gc", help="drop the entries of every namespace but the given model's")
     gc.add_argument("--store", default=_default_store())
+    _add_store_security_args(gc)
     _add_model_args(gc)
+
+    rep = sub.add_parser(
+        "repair",
+        help="rebuild damaged store databases from the entries that still check (stop other users first)",
+    )
+    rep.add_argument("--store", default=_default_store())
+    _add_store_security_args(rep)
 
     clear = sub.add_parser("clear", help="delete every entry and registered document")
     clear.add_argument("--store", default=_default_store())
@@ -140,6 +207,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model_args(srv)
     srv.add_argument("--store", default=None, help="KV store directory (default: memory only)")
+    _add_store_security_args(srv)
     _add_redis_args(srv)
     srv.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)"
@@ -191,13 +259,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def system_prefix(engine: Any, system: str) -> str:
-    """The chat template's text from the start up to the content of the first user message."""
+def chat_prefix(engine: Any, system: str | None) -> list[Any]:
+    """The segments of a chat prompt before its first user message's text (after a system message
+    when given): what ``engine.prewarm`` continues with each document, as the chat template renders it."""
+    from .canonical import segments_before
+
     marker = "\x02kvboost-documents\x03"
-    rendered = engine.tokenizer.apply_chat_template(
-        [{"role": "system", "content": system}, {"role": "user", "content": marker}], tokenize=False
-    )
-    return rendered[: rendered.index(marker)]
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": marker})
+    segments = engine.canonicalizer.segments_of(messages, add_generation_prompt=False)
+    return segments_before(segments, marker)
 
 
 # -- commands ---------------------------------------------------------------------------------
@@ -251,9 +322,7 @@ def _prewarm(args: argparse.Namespace) -> int:
         raise InvalidRequestError("no documents found in the given sources")
     with _engine(args, args.store) as engine:
         prefix = (
-            args.prefix
-            if args.prefix is not None
-            else (system_prefix(engine, args.system) if args.system else "")
+            chat_prefix(engine, args.system) if args.system is not None or args.chat else (args.prefix or "")
         )
         with tqdm(total=len(documents), unit="doc", disable=args.quiet, file=sys.stderr) as bar:
             tokens = [0]
@@ -266,20 +335,23 @@ def _prewarm(args: argparse.Namespace) -> int:
             report = engine.prewarm(
                 documents, prefix=prefix, pin=args.pin, progress=progress, cache_salt=args.cache_salt
             )
+    form = "chat requests" if args.system is not None or args.chat else "flat prompts"
     print(
-        f"prewarmed {report.documents} documents ({report.skipped} already stored) into {args.store}: "
+        f"prewarmed {report.documents} documents for {form} ({report.skipped} already stored) "
+        f"into {args.store}: "
         f"{report.tokens} tokens, {report.computed_tokens} computed in {report.seconds:.1f} s "
         f"({report.tokens_per_s:.0f} tokens/s)"
     )
     return EXIT_OK
 
 
-def _open_disk(store: str) -> DiskStore:
+def _open_disk(store: str, secret: str | None = None) -> DiskStore:
     from .store import DiskStore
 
     if not Path(store).expanduser().is_dir():
         raise StoreError(f"no store at {store!r}; pass --store with the directory given to prewarm")
-    return DiskStore(store, namespace="", background_writes=False)
+    key = None if secret is None else secret.encode()
+    return DiskStore(store, namespace="", background_writes=False, secret=key)
 
 
 def _disk_tier(engine: KVBoostEngine) -> DiskStore:
@@ -324,21 +396,29 @@ def _stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _print_scan(report: VerifyReport) -> None:
+    print(
+        f"checked {report.checked} entries: {len(report.corrupt)} corrupt (removed), "
+        f"{len(report.unreadable)} unreadable (kept; check file permissions), "
+        f"{report.reindexed} re-indexed, {report.orphans} orphans removed"
+    )
+
+
 def _verify(args: argparse.Namespace) -> int:
     from .maintenance import recompute_sample, scan
 
-    disk = _open_disk(args.store)
+    disk = _open_disk(args.store, _store_secret(args))
     try:
         report = scan(disk)
     finally:
         disk.close()
-    print(f"checked {report.checked} entries: {len(report.corrupt)} corrupt (removed)")
+    _print_scan(report)
     ok = report.ok
     if args.sample:
         with _engine(args, args.store) as engine:
             sample = recompute_sample(engine, _disk_tier(engine), args.sample)
         print(
-            f"recomputed {sample.recomputed} entries: {len(sample.mismatched)} differ bitwise, "
+            f"recomputed {sample.recomputed} entries: {len(sample.mismatched)} differ bitwise (removed), "
             f"{sample.unverifiable} could not be rebuilt (a parent chunk was evicted)"
         )
         ok = ok and sample.ok
@@ -347,9 +427,28 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     with _engine(args, args.store) as engine:
-        dropped = _disk_tier(engine).drop_namespaces({engine.namespace})
-    print(f"dropped {dropped} entries of other models, dtypes or tokenizers")
+        disk = _disk_tier(engine)
+        dropped = disk.drop_namespaces({engine.namespace})
+        orphans = disk.remove_orphans()
+    print(
+        f"dropped {dropped} entries of other models, dtypes or tokenizers, "
+        f"and {orphans} orphans (index rows without a payload, payload files of no entry)"
+    )
     return EXIT_OK
+
+
+def _repair(args: argparse.Namespace) -> int:
+    from .maintenance import repair
+
+    if not Path(args.store).expanduser().is_dir():
+        raise StoreError(f"no store at {args.store!r}; pass --store with the store's directory")
+    secret = _store_secret(args)
+    report = repair(args.store, secret=None if secret is None else secret.encode())
+    aside = ", ".join(report.set_aside) or "none"
+    print(f"damaged databases set aside and rebuilt: {aside}")
+    print(f"payload files stored again: {report.adopted} ({report.refused} failed their checks, removed)")
+    _print_scan(report.scan)
+    return EXIT_OK if not report.scan.unreadable else EXIT_BAD_ENTRIES
 
 
 def _clear(args: argparse.Namespace) -> int:
@@ -358,16 +457,30 @@ def _clear(args: argparse.Namespace) -> int:
             raise InvalidRequestError("refusing to clear without confirmation; pass --yes")
         if input(f"delete every entry in {args.store}? [y/N] ").strip().lower() != "y":
             return EXIT_OK
-    disk = _open_disk(args.store)
     try:
-        disk.clear()
-    finally:
-        disk.close()
+        disk = _open_disk(args.store)
+    except DamagedStoreError:  # nothing to keep: delete the files themselves
+        _delete_store_files(Path(args.store).expanduser())
+    else:
+        try:
+            disk.clear()
+        finally:
+            disk.close()
     registry_file = Path(args.store).expanduser() / "documents.sqlite"
     for suffix in ("", "-wal", "-shm"):
         Path(str(registry_file) + suffix).unlink(missing_ok=True)
     print(f"cleared {args.store}")
     return EXIT_OK
+
+
+def _delete_store_files(directory: Path) -> None:
+    """Delete a store's payloads and databases by hand (when they cannot be opened)."""
+    import shutil
+
+    shutil.rmtree(directory / "kv", ignore_errors=True)
+    for name in ("index.sqlite", "documents.sqlite"):
+        for suffix in ("", "-wal", "-shm"):
+            (directory / f"{name}{suffix}").unlink(missing_ok=True)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -410,6 +523,7 @@ COMMANDS = {
     "stats": _stats,
     "verify": _verify,
     "gc": _gc,
+    "repair": _repair,
     "clear": _clear,
     "serve": _serve,
 }

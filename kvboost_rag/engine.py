@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -23,12 +23,12 @@ from .config import EngineConfig
 from .core import EngineCore, eos_ids, namespace_of
 from .errors import KVBoostError, UnsupportedModelError
 from .followups import FollowUps
-from .generation import Generation, Prepared
+from .generation import CancellableStream, Generation, Prepared
 from .invariance import choose_schedule, schedule_note, schedule_stats
 from .models import load_model
 from .registry import DocumentRegistry
 from .request import Request
-from .results import GenerationResult, PrewarmReport, StreamChunk, WarmReport
+from .results import GenerationResult, PrewarmReport, WarmReport
 from .scheduler import Scheduler
 from .store import KVStore
 from .store.factory import open_store
@@ -73,10 +73,15 @@ class KVBoostEngine:
         self.chunk_size = self.config.chunk_tokens(invariant=self.assembler.invariant)
         self.namespace = namespace()
         self.store = store if store is not None else open_store(self.config, self.namespace, store_dir)
-        self.registry = DocumentRegistry(
-            Path(store_dir).expanduser() / "documents.sqlite" if store_dir else None,
-            shared=self.store.shared_records(),  # a Redis tier shares documents between processes
-        )
+        try:
+            self.registry = DocumentRegistry(
+                Path(store_dir).expanduser() / "documents.sqlite" if store_dir else None,
+                shared=self.store.shared_records(),  # a Redis tier shares documents between processes
+                file_mode=self.config.store_file_mode,
+            )
+        except BaseException:
+            self.store.close()
+            raise
         self.canonicalizer = Canonicalizer(tokenizer)
         self.core = EngineCore(
             self.config,
@@ -150,11 +155,15 @@ class KVBoostEngine:
             future.cancel()  # interrupted while waiting: the row leaves its batch at the next token
             raise
 
-    def stream(self, prompt: PromptInput | Request, **settings: Any) -> Iterator[StreamChunk]:
+    def stream(self, prompt: PromptInput | Request, **settings: Any) -> CancellableStream:
         """Like :meth:`generate`, yielding text deltas; the last item carries the result (streams run
-        one at a time, outside the batches)."""
+        one at a time, outside the batches). Bad input raises here, before the first item.
+
+        ``stream.cancel()``, from any thread, stops the request at its next layer or token
+        (a long prefill too); the stream then raises ``concurrent.futures.CancelledError``.
+        """
         request = Request.coerce(prompt, settings)
-        return self.generation.stream(self.generation.prepare(request, time.perf_counter()))
+        return CancellableStream(self.generation, self.generation.prepare(request, time.perf_counter()))
 
     def submit(self, request: Request) -> Future[GenerationResult]:
         """Queue a request for the batching scheduler; returns a future of its result.

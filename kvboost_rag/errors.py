@@ -32,3 +32,16 @@ class UnsupportedModelError(KVBoostError, TypeError):
 
 class StoreError(KVBoostError, OSError):
     """The KV store cannot be opened or written."""
+
+
+class DamagedStoreError(StoreError):
+    """A database file of the store is damaged, unreadable, or not a kvboost store's."""
+
+    def __init__(self, directory: object, cause: BaseException) -> None:
+        self.directory = str(directory)
+        msg = (
+            f"the KV store at {self.directory} has a damaged or unreadable database ({cause}); "
+            f"run 'kvboost-rag repair --store {self.directory}' to rebuild it from the entries that "
+            f"still check, or 'kvboost-rag clear --store {self.directory} --yes' to start empty"
+        )
+        super().__init__(msg)

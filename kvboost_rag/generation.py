@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import CancelledError
 from typing import NamedTuple, cast
 
@@ -46,6 +46,30 @@ class Prepared(NamedTuple):
     """``time.perf_counter()`` when the request came in (timings count from it)."""
 
 
+class CancellableStream(Iterator[StreamChunk]):
+    """Text deltas of one request, then a last item that carries its result (see
+    :meth:`KVBoostEngine.stream`).
+
+    :meth:`cancel`, from any thread, stops the request at its next layer or token, in a long
+    prefill too; the stream then raises ``concurrent.futures.CancelledError``.
+    """
+
+    def __init__(self, generation: Generation, prepared: Prepared) -> None:
+        self._cancel = threading.Event()
+        self._steps = generation.stream(prepared, self._cancel)
+
+    def __next__(self) -> StreamChunk:
+        return next(self._steps)
+
+    def cancel(self) -> None:
+        """Stop the request at its next layer or token (safe from any thread)."""
+        self._cancel.set()
+
+    def close(self) -> None:
+        """End the stream here (from the thread that iterates it), releasing what it holds."""
+        self._steps.close()
+
+
 class Generation:
     """Runs prepared requests on an :class:`~kvboost_rag.core.EngineCore`.
 
@@ -69,14 +93,22 @@ class Generation:
         return Prepared(request, canonical, mode, max_new, submitted_at)
 
     def serve(self, pending: Sequence[Pending[Request]]) -> list[GenerationResult | BaseException]:
-        """Scheduler callback: prepare each request, isolating bad input, then run them together."""
+        """Scheduler callback: prepare each request, isolating bad input, then run them together.
+
+        A request cancelled (or timed out) while it is prepared runs no further.
+        """
         outcomes: list[GenerationResult | BaseException | None] = [None] * len(pending)
         prepared: list[tuple[int, Prepared]] = []
         for i, p in enumerate(pending):
             try:
-                prepared.append((i, self.prepare(p.request, p.submitted_at)))
+                ready = self.prepare(p.request, p.submitted_at)
             except Exception as e:
                 outcomes[i] = e
+                continue
+            if p.future.cancel_requested.is_set():
+                outcomes[i] = CancelledError()
+            else:
+                prepared.append((i, ready))
         cancels = [pending[i].future.cancel_requested for i, _ in prepared]
         for (i, _), outcome in zip(prepared, self.run_all([p for _, p in prepared], cancels), strict=True):
             outcomes[i] = outcome
@@ -114,21 +146,23 @@ class Generation:
         return outcomes  # type: ignore[return-value]
 
     def solo(self, prepared: Prepared, cancel: threading.Event | None = None) -> GenerationResult:
-        """Run one request alone to its result; ``cancel`` stops it at its next token."""
+        """Run one request alone to its result; ``cancel`` stops it at its next layer or token."""
         result = None
-        steps = self.stream(prepared)
-        for chunk in steps:
-            if cancel is not None and cancel.is_set():  # cancelled while running: stop at this token
-                steps.close()
-                raise CancelledError()
+        for chunk in self.stream(prepared, cancel):
             result = chunk.result
         assert result is not None
         return result
 
-    def stream(self, prepared: Prepared) -> Generator[StreamChunk, None, None]:
-        """One request alone: text deltas, then the result; background work waits until it is done."""
+    def stream(
+        self, prepared: Prepared, cancel: threading.Event | None = None
+    ) -> Generator[StreamChunk, None, None]:
+        """One request alone: text deltas, then the result; background work waits until it is done.
+
+        Once ``cancel`` is set, the stream raises ``CancelledError`` at its next layer (in the
+        prefill) or token.
+        """
         with self.followups.activity():
-            last = yield from self._steps(prepared)
+            last = yield from self._steps(prepared, cancel)
         assert last.result is not None
         self._follow_up(prepared, last.result)
         yield last
@@ -162,18 +196,18 @@ class Generation:
         t_prefill = time.perf_counter()
         results: list[GenerationResult | BaseException | None] = [None] * len(prepared)
         rows: dict[int, BatchRow] = {}  # by request index: the requests whose prefix prefill went well
+        keys: list[list[tuple[str, int]]] = []  # (key, end) of each row's prefix chunks
         with core.lock:
             for i, (p, cancel) in enumerate(zip(prepared, cancels, strict=True)):
+                chunks = core.chunks(p.canonical, p.request.cache_salt)
                 try:
-                    rows[i] = self._batch_row(p, cancel)
+                    rows[i] = self._batch_row(p, chunks, cancel)
                 except Exception as e:  # this request alone fails; the others still run
                     results[i] = e
+                    continue
+                keys.append([(c.key, c.end) for c in chunks[:-1]])
         if not rows:
             return results  # type: ignore[return-value]
-        keys = [
-            [(c.key, c.end) for c in core.chunks(prepared[i].canonical, prepared[i].request.cache_salt)[:-1]]
-            for i in rows
-        ]
         shared = 0  # tokens of the leading chunks that every row has (same keys: same KV)
         for column in zip(*keys, strict=False):  # up to the shortest prefix
             if any(key != column[0] for key in column):
@@ -200,21 +234,27 @@ class Generation:
             )
         return results  # type: ignore[return-value]
 
-    def _batch_row(self, p: Prepared, cancel: threading.Event | None) -> BatchRow:
+    def _batch_row(self, p: Prepared, chunks: list[Chunk], cancel: threading.Event | None) -> BatchRow:
         """A request as a batch row: every chunk but the last prefilled exactly (through the store in
         exact mode); the last runs with the other rows."""
         core = self.core
-        chunks = core.chunks(p.canonical, p.request.cache_salt)
         prefix = None
         if len(chunks) > 1:
             store = core.store if p.mode == "exact" else None
             capacity = chunks[-1].start
             prefix = core.prefill(
-                p.canonical.token_ids, chunks[:-1], store=store, capacity=capacity, need_logits=False
+                p.canonical.token_ids,
+                chunks[:-1],
+                store=store,
+                capacity=capacity,
+                need_logits=False,
+                stop=cancel,
             )
         return BatchRow(p.canonical.token_ids, prefix, chunks[-1].start, p.request, p.max_new_tokens, cancel)
 
-    def _steps(self, prepared: Prepared) -> Generator[StreamChunk, None, StreamChunk]:
+    def _steps(
+        self, prepared: Prepared, cancel: threading.Event | None
+    ) -> Generator[StreamChunk, None, StreamChunk]:
         """Prefill and decode one request, yielding text deltas; returns the last delta with the result."""
         core = self.core
         request, canonical, mode, max_new = (
@@ -232,13 +272,15 @@ class Generation:
         # abandoned half-way must not keep other requests out (forward calls lock on their own).
         with core.lock:
             t_prefill = time.perf_counter()
-            out = self._prefill(prepared, blocker is None, reuse)
+            out = self._prefill(prepared, blocker is None, reuse, cancel)
             prefill_s = time.perf_counter() - t_prefill
         assert out.logits is not None
         text = TextStream(core.tokenizer, request.stop_strings)
         first_token_at = None
         finish: FinishReason = "length"
         for token in decode(core.assembler, out.cache, out.logits, n_prompt, request, core.eos_ids, max_new):
+            if cancel is not None and cancel.is_set():
+                raise CancelledError()
             first_token_at = first_token_at or time.perf_counter()
             delta = text.push(token)
             if token in core.eos_ids or text.stopped:
@@ -256,7 +298,9 @@ class Generation:
         )
         return StreamChunk(tail, result)
 
-    def _prefill(self, prepared: Prepared, chunked: bool, reuse: bool) -> PrefillOutcome:
+    def _prefill(
+        self, prepared: Prepared, chunked: bool, reuse: bool, cancel: threading.Event | None
+    ) -> PrefillOutcome:
         """The prompt's cache: exact (through the store when ``reuse``), or blended."""
         core, canonical = self.core, prepared.canonical
         n_prompt, capacity = len(canonical), len(canonical) + prepared.max_new_tokens
@@ -277,6 +321,7 @@ class Generation:
                     settings=core.blend_settings(prepared.request.blend_recompute_ratio),
                     capacity=capacity,
                     store_last_logits=core.config.store_last_logits,
+                    stop=cancel,
                 )
         return core.prefill(
             canonical.token_ids,
@@ -285,6 +330,7 @@ class Generation:
             capacity=capacity,
             store_last_logits=core.config.store_last_logits,
             reusable=chunked,
+            stop=cancel,
         )
 
 

@@ -23,11 +23,15 @@ is away, each process keeps what it has and learns the rest later.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol
+
+from .errors import DamagedStoreError
 
 ANCHOR_CHARS = 32
 
@@ -73,7 +77,15 @@ class DocumentRegistry:
     [True]
     """
 
-    def __init__(self, path: str | Path | None = None, *, shared: SharedRecords | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        shared: SharedRecords | None = None,
+        file_mode: int | None = None,
+    ) -> None:
+        """``path``: the SQLite file (None: memory only), created with ``file_mode`` (None: the umask's);
+        a damaged one raises :class:`~kvboost_rag.errors.DamagedStoreError`."""
         self._anchors: dict[str, list[str]] = {}
         self._shared = shared
         self._sources: dict[str, Source] = {}
@@ -81,14 +93,23 @@ class DocumentRegistry:
         self._con: sqlite3.Connection | None = None
         self._seen_rowid = 0
         if path is not None:
-            self._con = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
-            self._con.execute("PRAGMA journal_mode=WAL")
-            self._con.execute("CREATE TABLE IF NOT EXISTS documents (text TEXT PRIMARY KEY)")
-            self._con.execute(
-                "CREATE TABLE IF NOT EXISTS sources"
-                " (content_key TEXT PRIMARY KEY, prefix_key TEXT, start INTEGER)"
-            )
-            self._refresh()
+            path = Path(path)
+            if file_mode is not None:  # created empty with the mode: SQLite's -wal and -shm follow it
+                with contextlib.suppress(FileExistsError):
+                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, file_mode))
+            try:
+                self._con = sqlite3.connect(path, timeout=60, isolation_level=None, check_same_thread=False)
+                self._con.execute("PRAGMA journal_mode=WAL")
+                self._con.execute("CREATE TABLE IF NOT EXISTS documents (text TEXT PRIMARY KEY)")
+                self._con.execute(
+                    "CREATE TABLE IF NOT EXISTS sources"
+                    " (content_key TEXT PRIMARY KEY, prefix_key TEXT, start INTEGER)"
+                )
+                self._refresh()
+            except sqlite3.DatabaseError as e:
+                if self._con is not None:
+                    self._con.close()
+                raise DamagedStoreError(path.parent, e) from e
 
     def __len__(self) -> int:
         self._refresh()

@@ -14,6 +14,7 @@ built so far, then stored. Two schedules keep this exact (DESIGN.md contract 2):
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -203,14 +204,16 @@ def prefill(
     reusable: bool = True,
     need_logits: bool = True,
     step_tokens: int | None = None,
+    stop: threading.Event | None = None,
 ) -> PrefillOutcome:
     """Fill a cache with ``token_ids`` along ``chunks``, reading what ``store`` holds and storing the rest.
 
     ``need_logits=False`` (a prefix that more tokens will follow) skips the LM head, and a
     stored last chunk is used even when it kept no logits. ``step_tokens`` caps the tokens
-    of one forward in split-invariant mode (memory), at no cost to exactness.
+    of one forward in split-invariant mode (memory), at no cost to exactness. Once ``stop``
+    is set, the prefill raises ``CancelledError`` at its next layer; what it stored stays valid.
     """
-    cache = assembler.new_cache(capacity, reusable=reusable)
+    cache = assembler.new_cache(capacity, reusable=reusable, stop=stop)
     filler = CacheFiller(assembler, token_ids, chunks, cache, store, step_tokens)
     with holding_writes(assembler):
         logits, _ = filler.fill(need_logits=need_logits, store_last_logits=store_last_logits)

@@ -177,10 +177,10 @@ def test_a_request_failing_inside_the_batch_fails_alone(monkeypatch, stage):
     if stage == "prefill":
         real_row = engine.generation._batch_row
 
-        def row(p, cancel):
+        def row(p, chunks, cancel):
             if p.request.prompt is poisoned:
                 raise MemoryError("no room for this prefix")
-            return real_row(p, cancel)
+            return real_row(p, chunks, cancel)
 
         monkeypatch.setattr(engine.generation, "_batch_row", row)
     else:

@@ -8,7 +8,7 @@ from itertools import pairwise
 import pytest
 from helpers import CHATML, tiny_tokenizer
 
-from kvboost_rag.canonical import Canonicalizer, Segment, normalize_text
+from kvboost_rag.canonical import MESSAGE_END_WINDOW, Canonicalizer, Segment, normalize_text
 from kvboost_rag.errors import InvalidRequestError, UnsupportedModelError
 
 ROUND_TRIP_TEXTS = [
@@ -226,6 +226,80 @@ def test_list_content_blocks_become_separate_segments(canon):
     # adjacent blocks of one message have no template text between them
     i = [s.text for s in p.segments].index("Doc one. ")
     assert p.segments[i + 1] == Segment("Doc two. ", "message")
+
+
+def conversation(n: int) -> list[dict]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} text"} for i in range(n)]
+
+
+def test_a_long_conversation_renders_each_message_a_bounded_number_of_times(monkeypatch):
+    tok = tokenizer_with_template(CHATML)
+    rendered = []
+    real = tok.apply_chat_template
+
+    def counting(messages, **kwargs):
+        rendered.append(len(messages))
+        return real(messages, **kwargs)
+
+    monkeypatch.setattr(tok, "apply_chat_template", counting)
+    n = 300
+    Canonicalizer(tok).canonicalize(conversation(n))
+    # one render of every prefix would be n * (n + 1) / 2 = 45,150 messages
+    assert sum(rendered) <= (MESSAGE_END_WINDOW + 2) * n
+
+
+def prefix_ends_reference(canon: Canonicalizer, messages: list[dict]) -> list[tuple[str, str]]:
+    """Segments as found by rendering every prefix of the conversation (the definition of a message end)."""
+    tok = canon.tokenizer
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ends = {len(tok.apply_chat_template(messages[:k], tokenize=False)) for k in range(1, len(messages) + 1)}
+    out, position = [], 0
+    for m in messages:
+        start = rendered.index(m["content"], position)
+        glue = rendered[position:start]
+        cut = max([e - position for e in ends if position < e <= start] or [0])
+        out += [(glue[:cut], "closing")] if cut else []
+        out += [(glue[cut:], "glue"), (m["content"], "message")]
+        position = start + len(m["content"])
+    tail = rendered[position:]
+    cut = max([e - position for e in ends if position < e <= len(rendered)] or [0])
+    return out + [(tail[:cut], "closing"), (tail[cut:], "glue")]
+
+
+def test_message_ends_of_a_long_conversation_are_those_of_its_prefix_renders(canon):
+    messages = conversation(3 * MESSAGE_END_WINDOW)
+    segments = [(s.text, s.kind) for s in canon.canonicalize(messages).segments]
+    assert segments == [s for s in prefix_ends_reference(canon, messages) if s[0]]
+
+
+def test_a_message_keeps_its_segments_in_every_later_turn_of_a_long_conversation(canon):
+    messages = conversation(3 * MESSAGE_END_WINDOW + 1)
+    turn = canon.canonicalize(messages[:-1], add_generation_prompt=False).segments
+    assert canon.canonicalize(messages).segments[: len(turn)] == turn
+
+
+ALTERNATING = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "<turn>{{ m['role'] }}\n{{ m['content'] }}</turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<turn>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_refuses_a_window_still_closes_every_message():
+    canon = Canonicalizer(tokenizer_with_template(ALTERNATING))
+    messages = conversation(2 * MESSAGE_END_WINDOW + 3)
+    p = canon.canonicalize(messages)
+    assert [s.text for s in p.segments if s.kind == "closing"] == ["</turn>\n"] * len(messages)
+    assert p.text == canon.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_the_memos_hold_a_bounded_number_of_characters():
+    canon = Canonicalizer(tiny_tokenizer(), memo_chars=10_000)
+    for i in range(200):
+        canon.canonicalize([{"role": "user", "content": f"{i} " + "fox " * 100}])
+    assert canon._memo.chars <= 10_000 and canon._render_memo.chars <= 10_000
+    assert len(canon._memo) > 1  # still memoising
 
 
 def test_non_text_block_raises(canon):

@@ -49,7 +49,7 @@ def test_prewarm_in_one_process_then_documents_come_from_disk_in_another(model_d
     prewarm = ["prewarm", str(folder), *model_and_store(model_dir, store)]
     done = cli(*prewarm, "--prefix", PREFIX, "--quiet")
     assert done.returncode == 0, done.stderr
-    assert "prewarmed 3 documents (0 already stored)" in done.stdout
+    assert "prewarmed 3 documents for flat prompts (0 already stored)" in done.stdout
 
     prompt = PREFIX + docs[1] + QUESTION
     with KVBoostEngine.from_pretrained(str(model_dir), dtype="float32", store_dir=str(store)) as engine:
@@ -181,3 +181,74 @@ def test_cli_prewarms_and_generates_for_one_tenant(model_dir, tmp_path):
 
     assert cached("--cache-salt", "t-b") == 0 and cached() == 0
     assert cached("--cache-salt", "t-a") > 0
+
+
+SYSTEM = "Answer from the documents."
+
+
+@pytest.mark.parametrize("system", [SYSTEM, None], ids=["system", "no-system"])
+def test_cli_prewarms_for_chat_requests_as_the_template_renders_them(model_dir, tmp_path, capsys, system):
+    doc = essay_paragraphs(1, max_chars=600)[0]
+    (tmp_path / "doc.txt").write_text(doc)
+    common = model_and_store(model_dir, tmp_path / "store")
+    form = ["--system", system] if system is not None else ["--chat"]
+    code, out, err = run_main(capsys, "prewarm", str(tmp_path / "doc.txt"), *common, *form, "--quiet")
+    assert code == 0, err
+    assert "for chat requests" in out
+    asked = ["--system", system] if system is not None else []
+    code, out, err = run_main(
+        capsys, "generate", doc + QUESTION, *common, *asked, "--max-new-tokens", "1", "--json"
+    )
+    assert code == 0, err
+    cached = json.loads(out)["usage"]["cached_tokens"]
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": doc + QUESTION})
+    with KVBoostEngine.from_pretrained(str(model_dir), dtype="float32") as engine:
+        prompt = engine.canonicalize(messages)
+        chunk = engine.chunk_size
+    doc_end = next(
+        end for s, (_, end) in zip(prompt.segments, prompt.segment_spans, strict=True) if s.text == doc
+    )
+    # the template's text and the document, to within the chunk where the document ends
+    assert doc_end - chunk <= cached <= doc_end
+
+
+def test_cli_reports_a_damaged_store_then_repairs_or_clears_it(model_dir, tmp_path, capsys):
+    store = tmp_path / "store"
+    common = model_and_store(model_dir, store)
+    prompt = PREFIX + essay_paragraphs(1, max_chars=600)[0] + QUESTION
+    assert run_main(capsys, "generate", "--raw", prompt, *common, "--max-new-tokens", "1", "--json")[0] == 0
+    entries = json.loads(run_main(capsys, "stats", "--store", str(store), "--json")[1])["entries"]
+    (store / "kv" / "cache.db").write_bytes(b"garbage" * 1000)
+    for command in (["stats", "--store", str(store)], ["verify", "--store", str(store)]):
+        code, _, err = run_main(capsys, *command)
+        assert code == 4 and "damaged" in err and "kvboost-rag repair" in err and "Traceback" not in err
+    code, out, err = run_main(capsys, "repair", "--store", str(store))
+    assert code == 0, err
+    assert "set aside and rebuilt: kv/cache.db" in out and f"stored again: {entries}" in out
+    assert json.loads(run_main(capsys, "stats", "--store", str(store), "--json")[1])["entries"] == entries
+    (store / "index.sqlite").write_bytes(b"garbage" * 1000)
+    assert run_main(capsys, "clear", "--store", str(store), "--yes")[0] == 0  # works on a damaged store
+    assert json.loads(run_main(capsys, "stats", "--store", str(store), "--json")[1])["entries"] == 0
+
+
+def test_cli_signs_the_store_with_a_secret_from_a_file_or_the_environment(
+    model_dir, tmp_path, capsys, monkeypatch
+):
+    store = tmp_path / "store"
+    common = model_and_store(model_dir, store)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("a store secret of 32 characters.\n")
+    prompt = PREFIX + essay_paragraphs(1, max_chars=600)[0] + QUESTION
+    ask = ["generate", "--raw", prompt, *common, "--max-new-tokens", "1", "--json"]
+    assert run_main(capsys, *ask, "--store-secret-file", str(secret_file))[0] == 0
+    assert next((store / "kv").rglob("*.val")).read_bytes()[:4] == b"KVS2"
+    assert (store.stat().st_mode & 0o777) == 0o700
+    monkeypatch.setenv("KVBOOST_STORE_SECRET", "a store secret of 32 characters.")
+    code, out, _ = run_main(capsys, *ask)
+    assert code == 0 and json.loads(out)["usage"]["cached_tokens"] > 0
+    code, out, _ = run_main(capsys, "verify", "--store", str(store))
+    assert code == 0 and "0 corrupt" in out
+    monkeypatch.setenv("KVBOOST_STORE_SECRET", "another secret of 32 characters.")
+    code, out, _ = run_main(capsys, "verify", "--store", str(store))
+    assert code == 1 and "0 corrupt" not in out  # not signed with this secret: removed as foreign

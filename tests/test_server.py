@@ -23,6 +23,7 @@ import pytest
 from helpers import tiny_model, tiny_tokenizer
 
 from kvboost_rag import EngineConfig, KVBoostEngine
+from kvboost_rag.limits import ServerLimits
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -557,6 +558,160 @@ def test_a_client_that_disconnects_stops_its_stream(served, monkeypatch):
     assert aborts >= 1
 
 
+# -- fuzzing ------------------------------------------------------------------------------------------
+
+WEIRD_VALUES: list[Any] = [
+    None,
+    "",
+    "x" * 20_000,
+    "\ud800",
+    -1,
+    0,
+    2**64,
+    2**70,
+    -(2**70),
+    1e-300,
+    1e300,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    True,
+    [],
+    {},
+    [None],
+    {"a": 1},
+    "NaN",
+    3.5,
+    "1",
+]
+FIELDS = [
+    "model",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "n",
+    "stream_options",
+    "user",
+    "cache_salt",
+    "presence_penalty",
+    "max_completion_tokens",
+]
+
+
+def fuzz_bodies(seed: int, count: int) -> list[bytes]:
+    """Malformed, mistyped and extreme chat bodies: fixed cases, then seeded mutations of a good one."""
+    import random
+
+    rng = random.Random(seed)
+    good = {"model": MODEL, "messages": chat(SYSTEM + "(fuzz)"), "max_tokens": 2}
+    fixed = [
+        b"",
+        b"{",
+        b"null",
+        b"[]",
+        b'"text"',
+        b"\xff\xfe{}",
+        b'{"model": "m", "messages": [{"role": "us',
+        b'{"model":"m","messages":[{"role":"user","content":"\xff\xc0"}]}',  # invalid UTF-8
+        b'{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":1e999}',
+        b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":1e20}',
+        json.dumps(good | {"messages": [{"role": "user", "content": "hi"}] * 5000}).encode(),  # too many
+        json.dumps(good | {"messages": [{"role": "user", "content": "hi"}] * 1000}).encode(),  # too long
+        json.dumps(good | {"messages": [{"role": "user", "content": ["a"] * 1000}]}).encode(),
+        json.dumps(good | {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
+        json.dumps(good | {"messages": [{"content": "no role"}]}).encode(),
+        json.dumps(good | {"messages": [{"role": "user", "content": "\ud800"}]}).encode(),
+        json.dumps(good | {"stop": ["s"] * 100}).encode(),
+        json.dumps(good | {"temperature": 1, "top_p": 1e-300, "seed": 2**64}).encode(),
+    ]
+    mutated = []
+    for _ in range(count - len(fixed)):
+        body: dict[str, Any] = json.loads(json.dumps(good))
+        for _ in range(rng.randint(1, 3)):
+            field = rng.choice(FIELDS)
+            if rng.random() < 0.2:
+                body.pop(field, None)
+            elif field == "messages" and rng.random() < 0.5:
+                body["messages"][-1][rng.choice(["role", "content", "name"])] = rng.choice(WEIRD_VALUES)
+            else:
+                body[field] = rng.choice(WEIRD_VALUES)
+        mutated.append(
+            json.dumps(body).encode()
+        )  # NaN and Infinity as JSON extensions, as Python writes them
+    return fixed + mutated
+
+
+def check_answer(r: httpx.Response, streamed: bool) -> None:
+    """A well-formed 4xx in OpenAI's shape, or a complete answer (a stream that ends with [DONE])."""
+    assert r.status_code < 500, r.text[:500]
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert {"message", "type", "param", "code"} <= set(error) and error["message"], error
+        return
+    if streamed and r.headers["content-type"].startswith("text/event-stream"):
+        assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+    else:
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_fuzzed_requests_get_clean_answers_and_leave_the_server_well(engine, monkeypatch):
+    url_path = "/v1/chat/completions"
+    normal = {
+        "model": MODEL,
+        "messages": chat(SYSTEM + "(fuzz)", "A normal question?"),
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    limits = ServerLimits(max_body_bytes=1 << 20)
+    app = create_app(engine, model_name=MODEL, close_engine=False, max_queue=256, limits=limits)
+    with running(app) as served, httpx.Client(base_url=served.url, timeout=60) as http:
+        headers = {"content-type": "application/json"}
+        t0 = time.perf_counter()
+        alone = http.post(url_path, json=normal).json()["choices"][0]["message"]["content"]
+        usual_s = time.perf_counter() - t0
+        bodies = fuzz_bodies(seed=7, count=120)
+        bodies.append(
+            b'{"model": "m", "messages": [{"role": "user", "content": "' + b"y" * (2 << 20) + b'"}]}'
+        )
+
+        def send(body: bytes) -> None:
+            streamed = b'"stream": true' in body
+            check_answer(http.post(url_path, content=body, headers=headers), streamed)
+
+        def send_normal(_: int) -> str:
+            r = http.post(url_path, json=normal)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        with ThreadPoolExecutor(8) as pool:  # fuzz and normal requests share batches
+            normal_answers = pool.map(send_normal, range(8))
+            list(pool.map(send, bodies))
+            assert list(normal_answers) == [alone] * 8
+
+        # clients that leave before their prefill ran: the work stops rather than running to its end
+        decoded = count_decoded_tokens(monkeypatch)
+        long_body = {"model": MODEL, "messages": chat(LONG[:3000]), "max_tokens": 64, "temperature": 0}
+        with model_busy(engine):
+            for stream in (True, False):
+                with pytest.raises(httpx.TimeoutException):
+                    httpx.post(f"{served.url}{url_path}", json=long_body | {"stream": stream}, timeout=0.5)
+        wait_until(
+            lambda: not served.service.admission.tickets and not served.service.bridges,
+            timeout=60,
+            what="abandoned requests to stop",
+        )
+        assert decoded[0] == 0
+
+        assert http.get("/health").json()["status"] == "ok"
+        t0 = time.perf_counter()
+        assert send_normal(0) == alone
+        assert time.perf_counter() - t0 < 3 * usual_s + 2.0  # no work left behind slows it
+
+
 # -- load loop and shutdown ----------------------------------------------------------------------------
 
 
@@ -569,6 +724,55 @@ def test_load_loop_runs_briefly_without_failures(served, monkeypatch):
     result = load.run_load(served.url, settings)
     assert result["failures"] == 0, result["errors"]
     assert result["requests"] >= 2 and result["latency_s"]["p50"] > 0 and result["ttft_stream_s"]["n"] >= 1
+
+
+def test_shutdown_ends_within_the_grace_period_while_long_prefills_run():
+    # Each layer of a prefill forward takes 0.5 s: these prompts would prefill for about 10 s.
+    engine = KVBoostEngine(
+        tiny_model("llama"),
+        tiny_tokenizer(),
+        config=EngineConfig(chunk_size=16, max_forward_tokens=64, batch_window_ms=0),
+        model_name=MODEL,
+    )
+    prefills = threading.Event()
+
+    def slow(module: Any, args: tuple) -> None:
+        if args[0].shape[1] >= 64:
+            prefills.set()
+            time.sleep(0.5)
+
+    for layer in engine.assembler.model.model.layers:
+        layer.register_forward_pre_hook(slow)
+    grace_s = 2.0
+    app = create_app(engine, model_name=MODEL, shutdown_grace_s=grace_s)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = create_server(app, log_level="critical")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, what="the server to start")
+    body = {"model": MODEL, "messages": chat(LONG[:2400]), "max_tokens": 8}
+
+    def post(stream: bool) -> None:
+        try:
+            httpx.post(f"{url}/v1/chat/completions", json=body | {"stream": stream}, timeout=60)
+        except httpx.HTTPError:
+            pass  # the connection is closed at shutdown
+
+    clients = [threading.Thread(target=post, args=(stream,), daemon=True) for stream in (False, True)]
+    for client in clients:
+        client.start()
+    wait_until(prefills.is_set, what="a prefill to start")
+    t0 = time.monotonic()
+    server.should_exit = True
+    thread.join(timeout=30)
+    elapsed = time.monotonic() - t0
+    sock.close()
+    assert not thread.is_alive()
+    # the grace period, plus one layer's work for the cancelled prefills to notice
+    assert elapsed < grace_s + 2.0, elapsed
+    assert app.state.kvboost.closed
 
 
 def test_serve_command_drains_and_flushes_the_store_on_sigterm(tmp_path):

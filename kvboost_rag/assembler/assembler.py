@@ -104,11 +104,16 @@ class Assembler:
             )
         return None
 
-    def new_cache(self, capacity: int, *, reusable: bool = True) -> Cache:
-        """An empty cache: buffered full-attention layers, or the model's own layers for plain generation."""
+    def new_cache(
+        self, capacity: int, *, reusable: bool = True, stop: threading.Event | None = None
+    ) -> Cache:
+        """An empty cache: buffered full-attention layers, or the model's own layers for plain generation.
+
+        Once ``stop`` is set, a forward over a buffered cache raises ``CancelledError`` at its next layer.
+        """
         if not reusable:
             return DynamicCache(config=self.config)
-        return BufferedCache(self.num_layers, capacity)
+        return BufferedCache(self.num_layers, capacity, stop)
 
     @torch.inference_mode()
     def forward(

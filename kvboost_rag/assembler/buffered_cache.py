@@ -8,7 +8,9 @@ avoids the copy per forward of a concatenating cache, and the zeros keep padded 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from typing import Any, Protocol, cast
 
@@ -26,12 +28,15 @@ class BufferedLayer(DynamicLayer):
     buffer that grows geometrically makes appends cost only the new tokens.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, stop: threading.Event | None = None) -> None:
         super().__init__()
         self.capacity = block_attention.round_up(max(capacity, 1), block_attention.KEY_BLOCK)
         self.length = 0
         self.pad_keys = False
         """Return the keys and values padded to whole key blocks (for the split-invariant attention)."""
+        self.stop = stop
+        """Once set, the next update raises ``CancelledError``: a forward over this cache then ends
+        within one layer's work, however long its prompt."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -54,6 +59,8 @@ class BufferedLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.stop is not None and self.stop.is_set():
+            raise CancelledError("the request was cancelled")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
@@ -114,10 +121,11 @@ def buffered_layers(cache: Cache) -> list[BufferedLayer]:
 
 
 class BufferedCache(DynamicCache):
-    """A ``DynamicCache`` (models check for that type) made of buffered layers."""
+    """A ``DynamicCache`` (models check for that type) made of buffered layers; with ``stop``, a
+    forward over it raises ``CancelledError`` at its next layer once ``stop`` is set."""
 
-    def __init__(self, num_layers: int, capacity: int) -> None:
-        Cache.__init__(self, layers=[BufferedLayer(capacity) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, capacity: int, stop: threading.Event | None = None) -> None:
+        Cache.__init__(self, layers=[BufferedLayer(capacity, stop) for _ in range(num_layers)])
 
     def truncate(self, length: int) -> None:
         """Forget every token from ``length`` on, in every layer."""

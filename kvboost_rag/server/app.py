@@ -141,9 +141,10 @@ def create_server(
         port=port,
         log_level=log_level,
         lifespan="on",
-        # uvicorn waits this long for open responses, then cancels them; the app's own shutdown follows.
-        # Its hint says int, but it hands the value to asyncio.timeout, so fractions of a second work.
-        timeout_graceful_shutdown=service.shutdown_grace_s,  # type: ignore[arg-type]
+        # uvicorn waits this long for open responses, then cancels them; the app's own shutdown
+        # follows in what is left of the grace period. Its hint says int, but it hands the value to
+        # asyncio.timeout, so fractions of a second work.
+        timeout_graceful_shutdown=service.shutdown_grace_s - service.stop_s,  # type: ignore[arg-type]
     )
     return _DrainingServer(config, service)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -31,6 +32,13 @@ logger = logging.getLogger(__name__)
 
 Kind = Literal["chat", "completion"]
 """Which endpoint a request came from: it shapes the response bodies."""
+
+STOP_SHARE = 0.25
+"""Share of the shutdown grace period kept for stopping what still runs and closing the engine
+(at most ``MAX_STOP_S``): open requests get the rest."""
+
+MAX_STOP_S = 5.0
+"""At most this much of the grace period is kept for stopping (a stop takes one layer's work)."""
 
 
 class Service:
@@ -62,36 +70,60 @@ class Service:
         namespace = getattr(engine, "namespace", None)
         self.fingerprint = f"kv-{namespace[:16]}" if isinstance(namespace, str) else None
         self._closed = False
+        self._drain_started: float | None = None  # time.monotonic() when draining began
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`shutdown` has begun (the engine may be closed)."""
         return self._closed
 
+    @property
+    def stop_s(self) -> float:
+        """Seconds at the end of the grace period kept for stopping what still runs and closing
+        the engine."""
+        return min(self.shutdown_grace_s * STOP_SHARE, MAX_STOP_S)
+
     def begin_drain(self) -> None:
         """Admit nothing more (health turns 503); requests already admitted carry on."""
         self.admission.draining = True
+        if self._drain_started is None:
+            self._drain_started = time.monotonic()
 
     async def shutdown(self) -> None:
-        """Drain (bounded by the grace period), stop what is left, then close the engine (which flushes
-        the store)."""
+        """Drain, stop what is left, then close the engine (which flushes the store), all within the
+        grace period counted from when draining began.
+
+        Admitted requests may finish until :attr:`stop_s` before its end; then every request
+        still running is cancelled (it stops at its next layer or token, a long prefill too)
+        and the engine closed. Whatever has not stopped by the end of the period is left to
+        the process exit (the model's threads are daemons; queued store writes are flushed at exit).
+        """
         if self._closed:
             return
         self._closed = True
         self.begin_drain()
-        if not await self.admission.wait_idle(self.shutdown_grace_s):
+        assert self._drain_started is not None
+        end = self._drain_started + self.shutdown_grace_s
+        if not await self.admission.wait_idle(max(end - self.stop_s - time.monotonic(), 0.0)):
             logger.warning(
-                "%d requests still running after %.0f s; cancelling them",
+                "%d requests still running with %.1f s of the %.0f s grace period left; cancelling them",
                 len(self.admission.tickets),
+                self.stop_s,
                 self.shutdown_grace_s,
             )
             for ticket in list(self.admission.tickets):
                 ticket.cancel()
         for bridge in list(self.bridges):
-            bridge.cancel.set()
-            await asyncio.to_thread(bridge.thread.join, 10.0)  # a stream thread stops at its next token
+            bridge.stop()
+        for bridge in list(self.bridges):  # a stopped stream ends at its next layer or token
+            await asyncio.to_thread(bridge.thread.join, max(end - time.monotonic(), 0.0))
         if self.close_engine:
-            await asyncio.to_thread(self.engine.close)
+            # On a daemon thread: a close that outlives the grace period cannot hold the process.
+            closing = threading.Thread(target=self.engine.close, name="kvboost-close", daemon=True)
+            closing.start()
+            await asyncio.to_thread(closing.join, max(end - time.monotonic(), 0.0))
+            if closing.is_alive():
+                logger.warning("the engine did not close within the grace period; exiting without waiting")
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -180,12 +212,12 @@ class Service:
         loop = asyncio.get_running_loop()
         bridge = StreamBridge(steps, loop, self.bridges.discard)
         ticket.waiting = lambda: not bridge.started
-        ticket.cancel = bridge.cancel.set
+        ticket.cancel = bridge.stop
         endpoint = str(http.url.path)
         outcome = {"finished": False}
 
         def on_close() -> None:
-            bridge.cancel.set()
+            bridge.stop()
             if not outcome["finished"]:
                 self.metrics.record_stream_abort(endpoint, "disconnect")
             self.admission.release(ticket)
@@ -199,7 +231,7 @@ class Service:
                 try:
                     item = await asyncio.wait_for(bridge.queue.get(), max(deadline - loop.time(), 0.0))
                 except TimeoutError:
-                    bridge.cancel.set()
+                    bridge.stop()
                     outcome["finished"] = True
                     self.metrics.record_stream_abort(endpoint, "timeout")
                     yield sse(error_body(self._timeout_message(), "timeout_error", None, "request_timeout"))

@@ -26,8 +26,9 @@ class StreamBridge:
 
     The engine's stream is a plain iterator whose steps block (prefill, decode); a
     dedicated thread per stream keeps those steps off the loop and out of the
-    small default executor. ``cancel`` is checked before each item is handed
-    over, and closing the iterator ends the generation at that token.
+    small default executor. :meth:`stop` ends it: an engine stream
+    (:class:`~kvboost_rag.generation.CancellableStream`) at its next layer or token, a
+    long prefill included; any iterator before its next item is handed over.
 
     The queue receives each :class:`~kvboost_rag.engine.StreamChunk`, then an exception if the
     stream raised, then :data:`END`; ``on_exit`` runs on the loop once the thread is done.
@@ -44,7 +45,7 @@ class StreamBridge:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         """Items for the loop: stream chunks, an exception, then :data:`END`."""
         self.cancel = threading.Event()
-        """Set to stop the stream before its next item."""
+        """Set by :meth:`stop`: no item is handed over after it."""
         self.started = False
         """True once the first item (a delta or the result) is out."""
         self._on_exit = on_exit
@@ -53,6 +54,13 @@ class StreamBridge:
     def start(self) -> None:
         """Start pumping the engine's stream on the bridge's thread."""
         self.thread.start()
+
+    def stop(self) -> None:
+        """Stop the stream (from any thread): at once where the engine's stream can be cancelled."""
+        self.cancel.set()
+        cancel = getattr(self.steps, "cancel", None)
+        if cancel is not None:
+            cancel()
 
     def _hand_over(self, item: Any) -> None:
         try:

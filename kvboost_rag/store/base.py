@@ -151,3 +151,9 @@ class KVStore(ABC):
 
     def close(self) -> None:
         self.flush()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -7,12 +7,16 @@
   :class:`~.eviction.EvictionPolicy` ranks the entries.
 - Writes run on a background thread so the cold path never waits on the disk;
   :meth:`DiskStore.flush` (called by ``close()`` and at exit) waits for them.
-- A corrupt, truncated or foreign entry is a miss: it is removed, counted and logged.
+- A corrupt, truncated or foreign entry is a miss: it is removed, counted and logged. With a
+  store secret, entries are signed and one that is not signed with it counts as foreign.
+- Files are created private to their owner (``file_mode``, 0600; directories 0700), since
+  entries hold prompts as token ids.
 - A full disk turns the tier off with a warning; generation carries on from memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -22,22 +26,45 @@ import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import diskcache
 
-from ..errors import StoreError
+from ..config import check_secret
+from ..errors import DamagedStoreError, KVBoostError, StoreError
 from .base import Hit, StoredChunk, TierCounters, TierStats
 from .eviction import Candidate, EvictionPolicy
 from .resilience import RateLimitedWarnings
-from .serialization import CorruptEntryError, Entry, decode_entry, encode
+from .serialization import CorruptEntryError, Entry, claimed_owner, decode_entry, encode
 from .writer import WriteBehindTier
 
 logger = logging.getLogger(__name__)
 
 
+def directory_mode(file_mode: int) -> int:
+    """The mode of directories that hold files of ``file_mode``: search wherever reading is allowed.
+
+    >>> oct(directory_mode(0o600)), oct(directory_mode(0o640))
+    ('0o700', '0o750')
+    """
+    return file_mode | ((file_mode & 0o444) >> 2)
+
+
+def _restrict(path: Path, mode: int) -> None:
+    """Set ``path``'s permission bits; a path of another owner (a shared store) is left as it is."""
+    try:
+        os.chmod(path, mode)
+    except PermissionError:
+        logger.debug("cannot change the mode of %s (another owner); left as it is", path)
+
+
 class KVDisk(diskcache.Disk):
-    """diskcache serializer for KV entries: raw buffers with a checked header, never pickle."""
+    """diskcache serializer for KV entries: raw buffers with a checked header, never pickle.
+
+    Payload files are created with ``file_mode`` (None: as the umask gives).
+    """
+
+    file_mode: int | None = None
 
     def put(self, key: Any) -> tuple[Any, bool]:
         if not isinstance(key, str):
@@ -49,7 +76,11 @@ class KVDisk(diskcache.Disk):
             raise TypeError(
                 f"kvboost store values are encoded bytes, got {type(value).__name__} (never pickled)"
             )
-        return super().store(bytes(value), read, key)
+        if self.file_mode is None or len(value) < self.min_file_size:
+            return super().store(bytes(value), read, key)  # small values live in the SQLite row
+        filename, full_path = self.filename(key, value)
+        _write_new_file(full_path, value, self.file_mode)
+        return len(value), diskcache.core.MODE_BINARY, filename, None
 
     def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> bytearray:
         if mode == diskcache.core.MODE_RAW and isinstance(value, (bytes, sqlite3.Binary)):
@@ -65,7 +96,33 @@ class KVDisk(diskcache.Disk):
                     return buffer
             except FileNotFoundError as e:
                 raise MissingPayloadError("payload file is missing") from e
+            except OSError as e:  # not an OSError any more: diskcache would take that for a miss
+                raise UnreadablePayloadError(f"payload file {filename} cannot be read ({e})") from e
         raise CorruptEntryError(f"value of storage mode {mode} in a KV store: refused (never unpickled)")
+
+
+def _write_new_file(path: str, data: bytes | bytearray, mode: int) -> None:
+    """Create ``path`` with ``mode`` from the start (no moment with wider permissions) and write it.
+
+    Another process may remove the (empty) directory between the two steps, as diskcache does
+    when it deletes a directory's last file; like diskcache, try again a few times.
+    """
+    for attempt in range(10):
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(os.path.dirname(path), mode=directory_mode(mode))
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        except FileNotFoundError:
+            if attempt == 9:
+                raise
+            continue
+        with open(fd, "wb") as f:
+            f.write(data)
+        return
+
+
+class UnreadablePayloadError(KVBoostError):
+    """A payload file exists but cannot be read (permissions, I/O error): a miss, kept as it is."""
 
 
 class MissingPayloadError(CorruptEntryError):
@@ -130,6 +187,8 @@ class DiskStore(WriteBehindTier):
         background_writes: bool = True,
         policy: EvictionPolicy | None = None,
         warn_every_s: float = 0.0,
+        secret: bytes | None = None,
+        file_mode: int | None = 0o600,
     ) -> None:
         """
         Args:
@@ -140,22 +199,42 @@ class DiskStore(WriteBehindTier):
             policy: which entries go first when over ``max_bytes``.
             warn_every_s: at most one warning per kind of problem in this period; 0 (the default):
                 each problem is logged (a disk fails rarely, and each unusable entry is worth a line).
+            secret: store secret: entries are signed with it, and read only when signed with it.
+            file_mode: permission bits of the files the tier creates (directories: the same
+                plus search bits); 0o640 or 0o660 to share with a group; None: the umask's.
         """
         self.directory = Path(directory).expanduser()
         self.namespace = namespace
         self.max_bytes = max_bytes
+        self.secret = None if secret is None else check_secret(secret)
+        is_new = not (self.directory / "kv" / "cache.db").exists()
         _check_writable(self.directory)
-        self._cache = diskcache.Cache(
-            str(self.directory / "kv"),
-            disk=KVDisk,
-            size_limit=2**62,  # eviction is ours (cost- and pin-aware), not diskcache's
-            eviction_policy="none",
-            cull_limit=0,
-            statistics=False,
-        )
-        self._index = _Index(self.directory / "index.sqlite")
+        if file_mode is not None and is_new:
+            _restrict(self.directory, directory_mode(file_mode))
+            (self.directory / "kv").mkdir(mode=directory_mode(file_mode), exist_ok=True)
+            # Created empty with the mode before SQLite opens them; its -wal and -shm files follow it.
+            for name in ("kv/cache.db", "index.sqlite"):
+                with contextlib.suppress(FileExistsError):
+                    os.close(os.open(self.directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, file_mode))
+        try:
+            self._cache = diskcache.Cache(
+                str(self.directory / "kv"),
+                disk=KVDisk,
+                size_limit=2**62,  # eviction is ours (cost- and pin-aware), not diskcache's
+                eviction_policy="none",
+                cull_limit=0,
+                statistics=False,
+                # Every payload in a file of its own, never inside the SQLite file: a damaged
+                # database then loses no KV, and `repair` rebuilds it from the files.
+                disk_min_file_size=0,
+            )
+            self._index = _Index(self.directory / "index.sqlite")
+        except sqlite3.DatabaseError as e:
+            raise DamagedStoreError(self.directory, e) from e
+        if file_mode is not None:
+            cast(KVDisk, self._cache.disk).file_mode = file_mode
         self._policy = policy or EvictionPolicy()
-        self._counters = TierCounters()
+        self._counters = TierCounters(extra=["corrupt", "unreadable"])
         self._warnings = RateLimitedWarnings(logger, warn_every_s)
         self._disabled_reason: str | None = None
         self._start_writer("kvboost-disk-writer", background=background_writes)
@@ -174,12 +253,17 @@ class DiskStore(WriteBehindTier):
         entry: Entry | None = None
         try:
             data = self._read(key)
-            entry = None if data is None else decode_entry(data, self.namespace, key)
+            entry = None if data is None else decode_entry(data, self.namespace, key, secret=self.secret)
         except CorruptEntryError as e:
             self._drop_corrupt(key, str(e))
-        except (OSError, sqlite3.Error) as e:
+        except (OSError, sqlite3.Error, UnreadablePayloadError) as e:
+            self._counters.add("unreadable")
             self._warnings.warn(
-                "read", "disk tier read failed for %s… (%s); treating it as a miss", key[:12], e
+                "read",
+                "disk tier read failed for %s… (%s); treating it as a miss (check the store's file "
+                "permissions and disk; 'kvboost-rag verify' lists unreadable entries)",
+                key[:12],
+                e,
             )
         self._counters.read(found=entry is not None)
         if entry is None:
@@ -258,7 +342,70 @@ class DiskStore(WriteBehindTier):
         data = self._read(key)
         if data is None:
             raise CorruptEntryError("no payload for an indexed key")
-        return decode_entry(data, namespace, key).chunk
+        return decode_entry(data, namespace, key, secret=self.secret).chunk
+
+    def stored_keys(self) -> list[str]:
+        """Every key with a payload, of every namespace, whether the index knows it or not."""
+        self.flush()
+        return [key for key in self._cache.iterkeys() if isinstance(key, str)]
+
+    def indexed_namespaces(self) -> dict[str, str]:
+        """``{key: namespace}`` of every entry the index knows."""
+        self.flush()
+        return dict(self._index.execute("SELECT key, namespace FROM entries"))
+
+    def reindex(self, key: str) -> str:
+        """Check an entry that the index lost and index it again (under the namespace its checked
+        header names); returns that namespace. Raises :class:`CorruptEntryError`."""
+        data = self._read(key)
+        if data is None:
+            raise CorruptEntryError("no payload")
+        namespace, claimed = claimed_owner(data)
+        if claimed != key:
+            raise CorruptEntryError("entry belongs to another key")
+        entry = decode_entry(data, namespace, key, secret=self.secret)
+        self._add_row(key, namespace, len(data), entry.chunk.num_tokens, entry.cost or 1.0, pin=False)
+        return namespace
+
+    def remove_orphans(self, min_age_s: float = 60.0) -> int:
+        """Delete index rows without a payload, and payload files that no entry names (older than
+        ``min_age_s``: a concurrent write creates its file just before its row); returns how many."""
+        self.flush()
+        stored = set(self.stored_keys())
+        rows = [key for key in self.indexed_namespaces() if key not in stored]
+        if rows:
+            self._index.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in rows])
+        cutoff = time.time() - min_age_s
+        files = [p for p in self.unnamed_files() if p.stat().st_mtime < cutoff]
+        for path in files:
+            path.unlink(missing_ok=True)
+        return len(rows) + len(files)
+
+    def unnamed_files(self) -> list[Path]:
+        """Payload files under the directory that no entry of the payload database names."""
+        root = self.directory / "kv"
+        # diskcache keeps each entry's file name in its SQLite table ``Cache``; read it directly,
+        # read-only, since diskcache offers no call that lists them.
+        con = sqlite3.connect(f"file:{root / 'cache.db'}?mode=ro", uri=True, timeout=60)
+        try:
+            named = {name for (name,) in con.execute("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+        finally:
+            con.close()
+        return [p for p in root.glob("*/*/*.val") if str(p.relative_to(root)) not in named]
+
+    def adopt(self, path: Path) -> str:
+        """Store a payload file that no entry names under the key its checked header names, then
+        delete the file; returns the key. Raises :class:`CorruptEntryError` (the file is kept)."""
+        data = path.read_bytes()
+        namespace, key = claimed_owner(data)
+        entry = decode_entry(data, namespace, key, secret=self.secret)
+        if key in self._cache:  # stored again since: that entry wins, this file is a stale copy
+            path.unlink()
+            return key
+        self._cache.set(key, data)
+        self._add_row(key, namespace, len(data), entry.chunk.num_tokens, entry.cost or 1.0, pin=False)
+        path.unlink()
+        return key
 
     def evict_to(self, max_bytes: int) -> int:
         """Evict unpinned entries, lowest score first, until the directory holds ``max_bytes``."""
@@ -287,16 +434,9 @@ class DiskStore(WriteBehindTier):
         if self._disabled_reason is not None:
             return
         try:
-            data = encode(chunk, self.namespace, key, cost)
+            data = encode(chunk, self.namespace, key, cost, secret=self.secret)
             self._cache.set(key, data)
-            self._index.execute(
-                "INSERT INTO entries (key, namespace, bytes, tokens, cost, hits, last_access, pinned)"
-                " VALUES (?, ?, ?, ?, ?, 1, ?, ?) ON CONFLICT(key) DO UPDATE SET"
-                " namespace = excluded.namespace, bytes = excluded.bytes, tokens = excluded.tokens,"
-                " cost = excluded.cost, last_access = excluded.last_access,"
-                " pinned = MAX(pinned, excluded.pinned)",
-                (key, self.namespace, len(data), chunk.num_tokens, cost, time.time(), int(pin)),
-            )
+            self._add_row(key, self.namespace, len(data), chunk.num_tokens, cost, pin)
         except (OSError, sqlite3.OperationalError) as e:
             if _is_disk_full(e):
                 self._disabled_reason = str(e)
@@ -306,6 +446,16 @@ class DiskStore(WriteBehindTier):
         self._counters.add("puts")
         if self.max_bytes is not None:
             self.evict_to(self.max_bytes)
+
+    def _add_row(self, key: str, namespace: str, nbytes: int, tokens: int, cost: float, pin: bool) -> None:
+        self._index.execute(
+            "INSERT INTO entries (key, namespace, bytes, tokens, cost, hits, last_access, pinned)"
+            " VALUES (?, ?, ?, ?, ?, 1, ?, ?) ON CONFLICT(key) DO UPDATE SET"
+            " namespace = excluded.namespace, bytes = excluded.bytes, tokens = excluded.tokens,"
+            " cost = excluded.cost, last_access = excluded.last_access,"
+            " pinned = MAX(pinned, excluded.pinned)",
+            (key, namespace, nbytes, tokens, cost, time.time(), int(pin)),
+        )
 
     def _delete(self, keys: list[str]) -> None:
         for key in keys:

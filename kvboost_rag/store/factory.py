@@ -27,7 +27,14 @@ def open_store(config: EngineConfig, namespace: str, store_dir: str | Path | Non
     tiers: list[KVStore] = [MemoryStore(config.max_memory_bytes)]
     try:
         if store_dir is not None:
-            tiers.append(DiskStore(store_dir, namespace, max_bytes=config.max_disk_bytes))
+            disk = DiskStore(
+                store_dir,
+                namespace,
+                max_bytes=config.max_disk_bytes,
+                secret=config.store_secret_bytes,
+                file_mode=config.store_file_mode,
+            )
+            tiers.append(disk)
         if config.redis_url is not None:
             tiers.append(open_redis(config, namespace))
     except BaseException:
@@ -57,4 +64,9 @@ def open_redis(config: EngineConfig, namespace: str) -> KVStore:
     options = RedisOptions(
         key_prefix=config.redis_key_prefix, ttl_s=config.redis_ttl_s, max_bytes=config.max_redis_bytes
     )
-    return RedisStore(config.redis_url, namespace=namespace, options=replace(options, **config.redis_options))
+    return RedisStore(
+        config.redis_url,
+        namespace=namespace,
+        options=replace(options, **config.redis_options),
+        secret=config.store_secret_bytes,
+    )

@@ -40,6 +40,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 
+from ..config import check_secret
 from ..registry import Source
 from .base import Hit, StoredChunk, TierCounters, TierStats
 from .redis_options import RedisOptions, describe
@@ -99,6 +100,7 @@ class RedisStore(WriteBehindTier):
         namespace: str,
         client: redis.Redis | None = None,
         options: RedisOptions | None = None,
+        secret: bytes | None = None,
         **settings: Any,
     ) -> None:
         """
@@ -107,11 +109,14 @@ class RedisStore(WriteBehindTier):
             namespace: the engine's store namespace (model, tokenizer, dtype, layout).
             client: an existing client, instead of ``url`` and the connection settings.
             options: the tier's settings (:class:`~.redis_options.RedisOptions`).
+            secret: store secret: entries are signed with it, and read only when signed with it
+                (a client of the server that lacks it cannot make this tier serve its KV).
             settings: single :class:`~.redis_options.RedisOptions` fields, over ``options``
                 (``ttl_s=60``, ``max_bytes=...``, ``timeout_s=...``).
         """
         if (url is None) == (client is None):
             raise ValueError("pass either a Redis url or a client")
+        self.secret = None if secret is None else check_secret(secret)
         self.options = replace(options or RedisOptions(), **settings)
         o = self.options
         self.namespace = namespace
@@ -144,7 +149,7 @@ class RedisStore(WriteBehindTier):
         try:
             data = self._call("read", lambda: self._client.get(self._keys.entry(key)))
             if data is not None:
-                entry = decode_entry(data, self.namespace, key)
+                entry = decode_entry(data, self.namespace, key, secret=self.secret)
         except _Unavailable:
             pass
         except (CorruptEntryError, _WrongType) as e:
@@ -333,7 +338,7 @@ class RedisStore(WriteBehindTier):
 
     def _write(self, key: str, chunk: StoredChunk, cost: float, pin: bool) -> None:
         """Store one entry, evicting down to ``max_bytes`` (a queued write)."""
-        data = encode(chunk, self.namespace, key, cost)
+        data = encode(chunk, self.namespace, key, cost, secret=self.secret)
         now, ttl_ms = time.time(), self.options.ttl_ms
         written = self._attempt(
             "write",

@@ -20,7 +20,7 @@ from kvboost_rag.store.serialization import CorruptEntryError, encode
 
 NS = "model-a|tok|float32|v1"
 LOGGER = "kvboost_rag.store.disk"
-BIG_TOKENS = 128  # [2, 2, 2, 128, 32] float32 = 128 KiB: over diskcache's 32 KiB inline limit: a .val file
+BIG_TOKENS = 128  # [2, 2, 2, 128, 32] float32 = 128 KiB
 
 
 def key(i) -> str:
@@ -63,7 +63,7 @@ def val_files(directory: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("tokens", [4, BIG_TOKENS], ids=["inline", "file"])
+@pytest.mark.parametrize("tokens", [4, BIG_TOKENS], ids=["small", "big"])
 def test_put_flush_get_round_trip_is_bitwise(store, dtype, tokens):
     c = chunk(tokens, dtype=dtype, logits=True, seed=tokens)
     assert store.get(key(1)) is None
@@ -77,15 +77,14 @@ def test_put_flush_get_round_trip_is_bitwise(store, dtype, tokens):
     assert hit.chunk.kv.device.type == "cpu"
 
 
-def test_big_entries_are_files_and_small_ones_are_not(store, store_dir):
+def test_every_entry_is_a_file_of_its_own(store, store_dir):
+    # never inside the SQLite file: a damaged database loses no KV (repair rebuilds it from the files)
     store.put(key(1), chunk(4))
-    store.flush()
-    assert val_files(store_dir) == []
     store.put(key(2), chunk(BIG_TOKENS))
     store.flush()
     files = val_files(store_dir)
-    assert len(files) == 1
-    assert files[0].read_bytes()[:4] == b"KVB2"
+    assert len(files) == 2
+    assert all(f.read_bytes()[:4] == b"KVB2" for f in files)
 
 
 def test_stats_count_hits_misses_puts_and_bytes(store):
@@ -248,8 +247,10 @@ def test_damaged_payload_file_is_a_counted_logged_removed_miss(store, store_dir,
 
 
 def test_damaged_inline_entry_is_a_miss(store, store_dir, caplog):
+    store._cache.disk.min_file_size = 2**15  # as earlier versions stored small entries: inside SQLite
     store.put(key(1), chunk(4))
     store.flush()
+    assert val_files(store_dir) == [] and store.get(key(1)) is not None
     con = sqlite3.connect(store_dir / "kv" / "cache.db")
     (value,) = con.execute("SELECT value FROM Cache").fetchone()
     bad = bytearray(value)
@@ -654,3 +655,98 @@ def test_a_replace_racing_a_read_does_not_delete_the_new_entry(store_dir):
     finally:
         reader.close()
         writer.close()
+
+
+# -- signed entries, file modes, unreadable payloads -------------------------------------------
+
+SECRET = b"the store secret, 32 bytes long."
+
+
+def test_a_signed_store_reads_its_entries_and_removes_those_not_signed_with_its_secret(store_dir):
+    with DiskStore(store_dir, namespace=NS, secret=SECRET, background_writes=False) as signed:
+        signed.put(key(1), chunk(BIG_TOKENS, fill=1.0))
+        assert torch.equal(signed.get(key(1)).chunk.kv, chunk(BIG_TOKENS, fill=1.0).kv)
+    with DiskStore(store_dir, namespace=NS, background_writes=False) as plain:
+        assert plain.get(key(1)) is not None  # a reader without the secret checks the digest alone
+        plain.put(key(2), chunk(BIG_TOKENS, fill=2.0))  # unsigned: a writer that lacks the secret
+    with DiskStore(store_dir, namespace=NS, secret=b"another secret, 32 bytes long..") as other:
+        assert other.get(key(1)) is None  # signed with another secret: foreign
+        assert disk_stats(other).extra["corrupt"] == 1
+    with DiskStore(store_dir, namespace=NS, secret=SECRET) as signed:
+        assert signed.get(key(2)) is None and not signed.contains(key(2))  # unsigned: removed
+        assert signed.get(key(1)) is None  # removed by the reader with the other secret
+
+
+def test_a_short_secret_is_refused(store_dir):
+    with pytest.raises(ValueError, match="at least 16"):
+        DiskStore(store_dir, namespace=NS, secret=b"too short")
+
+
+def mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+@pytest.mark.parametrize(("file_mode", "dir_mode"), [(0o600, 0o700), (0o640, 0o750)])
+def test_store_files_and_directories_are_created_private(store_dir, file_mode, dir_mode):
+    with DiskStore(store_dir, namespace=NS, file_mode=file_mode, background_writes=False) as store:
+        store.put(key(1), chunk(BIG_TOKENS))
+        assert mode(store_dir) == dir_mode and mode(store_dir / "kv") == dir_mode
+        payload = val_files(store_dir)[0]
+        assert mode(payload) == file_mode and mode(payload.parent) == dir_mode
+        for name in ("kv/cache.db", "index.sqlite", "index.sqlite-wal"):  # SQLite's -wal follows its file
+            assert mode(store_dir / name) == file_mode, name
+
+
+def test_an_unreadable_payload_is_a_counted_and_logged_miss(store, monkeypatch, caplog):
+    store.put(key(1), chunk(BIG_TOKENS))
+    store.flush()
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("kvboost_rag.store.disk.open", refused, raising=False)  # as a 0000 file would
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert store.get(key(1)) is None
+    assert disk_stats(store).extra["unreadable"] == 1
+    assert "permissions" in caplog.text
+    monkeypatch.undo()
+    assert store.get(key(1)) is not None  # kept: a permission problem is not corruption
+
+
+# -- maintenance helpers: keys the index lost, orphans, adoption ----------------------------
+
+
+def test_an_entry_the_index_lost_is_found_and_indexed_again(store_dir):
+    with DiskStore(store_dir, namespace=NS, background_writes=False) as store:
+        store.put(key(1), chunk(BIG_TOKENS))
+        store.put(key(2), chunk(4))
+    con = sqlite3.connect(store_dir / "index.sqlite")
+    con.execute("DELETE FROM entries")
+    con.commit()
+    con.close()
+    with DiskStore(store_dir, namespace="", background_writes=False) as store:
+        assert sorted(store.stored_keys()) == [key(1), key(2)] and store.indexed_namespaces() == {}
+        assert store.reindex(key(1)) == NS and store.reindex(key(2)) == NS
+        assert store.usage()[NS]["entries"] == 2
+
+
+def test_orphans_are_removed_and_a_payload_file_can_be_adopted(store_dir):
+    with DiskStore(store_dir, namespace=NS, background_writes=False) as store:
+        store.put(key(1), chunk(BIG_TOKENS))
+        store.put(key(2), chunk(BIG_TOKENS, seed=2))
+        [first, second] = [p for p in val_files(store_dir)]
+        saved = {p: p.read_bytes() for p in (first, second)}
+        store._cache.delete(key(1))  # the payload database loses key 1 (its file goes too)
+        assert key(1) not in store.stored_keys()
+        for p, data in saved.items():  # a file that no entry names
+            if not p.exists():
+                stray = p
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_bytes(data)
+        assert store.unnamed_files() == [stray]
+        assert store.remove_orphans(min_age_s=3600) == 1  # key 1's index row; the file is too new
+        assert store.adopt(stray) == key(1) and not stray.exists()
+        assert torch.equal(store.get(key(1)).chunk.kv, chunk(BIG_TOKENS).kv)
+        stray.parent.mkdir(parents=True, exist_ok=True)
+        stray.write_bytes(b"not an entry")
+        assert store.remove_orphans(min_age_s=0) == 1 and not stray.exists()

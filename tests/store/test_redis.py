@@ -697,3 +697,17 @@ def test_tenant_salts_hold_through_redis(tiny, url):
         assert reader.generate(prompt, max_new_tokens=2, cache_salt="tenant-b").usage.cached_tokens == 0
         hit = reader.generate(prompt, max_new_tokens=2, cache_salt="tenant-a").usage
         assert hit.cached_tokens_by_tier == {"redis": hit.prompt_tokens}
+
+
+def test_a_signed_redis_tier_refuses_an_entry_forged_with_a_valid_checksum(url, raw):
+    secret = b"the store secret, 32 bytes long."
+    s = RedisStore(url, namespace="ns", background_writes=False, secret=secret)
+    real = chunk(seed=3)
+    s.put(key(1), real)
+    assert raw.get(f"kvboost:ns:{key(1)}")[:4] == b"KVS2"
+    assert torch.equal(s.get(key(1)).chunk.kv, real.kv)
+    # any client of the server can write an entry whose checksum holds
+    raw.set(f"kvboost:ns:{key(1)}", encode(StoredChunk(torch.zeros_like(real.kv)), "ns", key(1)))
+    assert s.get(key(1)) is None and redis_stats(s).extra["corrupt"] == 1
+    assert not raw.exists(f"kvboost:ns:{key(1)}"), "the forged entry is removed"
+    s.close()

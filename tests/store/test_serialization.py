@@ -390,3 +390,63 @@ def test_a_bad_cost_is_refused(cost):
 def test_decode_entry_refuses_values_that_are_not_bytes(value):
     with pytest.raises(CorruptEntryError, match="not bytes"):
         decode_entry(value, NS, KEY)
+
+
+# -- signed entries (a store secret) -------------------------------------------------------------
+
+SECRET = b"a store secret of 32 bytes......"
+
+
+def forged(data: bytes, kv: torch.Tensor) -> bytes:
+    """``data`` with its KV replaced and the digest recomputed, as a writer without the secret would."""
+    import xxhash
+
+    (n,) = struct.unpack("<I", data[4:8])
+    head, start = data[8 : 8 + n], 8 + n + DIGEST_BYTES + 32
+    payload = kv.contiguous().view(-1).view(torch.uint8).numpy().tobytes() + data[start + kv.nbytes :]
+    digest = xxhash.xxh3_128(head + payload).digest()
+    return data[: 8 + n] + digest + data[8 + n + DIGEST_BYTES : start] + payload
+
+
+@pytest.mark.parametrize("logits", [False, True], ids=["no-logits", "logits"])
+def test_a_signed_entry_round_trips_with_its_secret_and_without_one(logits):
+    chunk = make_chunk(logits=logits)
+    data = encode(chunk, NS, KEY, secret=SECRET)
+    assert data[:4] == b"KVS2"
+    for secret in (SECRET, None):  # a reader without the secret checks the digest alone
+        back = decode(data, NS, KEY, secret=secret)
+        assert_bitwise(back.kv, chunk.kv)
+
+
+def test_a_forged_entry_with_a_valid_digest_is_refused_with_the_secret():
+    chunk = make_chunk()
+    data = encode(chunk, NS, KEY, secret=SECRET)
+    garbage = forged(data, torch.zeros_like(chunk.kv))
+    assert torch.equal(decode(garbage, NS, KEY).kv, torch.zeros_like(chunk.kv))  # the digest holds
+    with pytest.raises(CorruptEntryError, match="signature mismatch"):
+        decode(garbage, NS, KEY, secret=SECRET)
+
+
+def test_every_flipped_byte_of_a_signed_entry_is_refused():
+    data = encode(make_chunk(shape=(1, 2, 1, 2, 4)), NS, KEY, secret=SECRET)
+    for i in range(len(data)):
+        corrupted = bytearray(data)
+        corrupted[i] ^= 0x01
+        with pytest.raises(CorruptEntryError):
+            decode(corrupted, NS, KEY, secret=SECRET)
+
+
+def test_an_unsigned_entry_or_another_secret_is_refused():
+    chunk = make_chunk()
+    with pytest.raises(CorruptEntryError, match="unsigned"):
+        decode(encode(chunk, NS, KEY), NS, KEY, secret=SECRET)
+    with pytest.raises(CorruptEntryError, match="signature"):
+        decode(encode(chunk, NS, KEY, secret=b"another secret of 32 bytes......"), NS, KEY, secret=SECRET)
+
+
+def test_a_short_secret_is_refused_with_the_fix():
+    from kvboost_rag.config import check_secret
+
+    with pytest.raises(ValueError, match="at least 16"):
+        check_secret(b"short")
+    assert check_secret(SECRET) == SECRET
