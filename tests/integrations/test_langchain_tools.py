@@ -1,20 +1,16 @@
-"""Tool calling, structured output and a LangChain agent on Qwen2.5-Coder-0.5B (a tool-calling template)."""
+"""Tool calling, structured output and a LangChain agent on Qwen2.5-Coder-0.5B (a tool-calling template);
+the standard suites run on the same model (test_langchain_standard)."""
 
 from __future__ import annotations
 
 from itertools import pairwise
 
 import pytest
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from pydantic import BaseModel, Field
 
-pytest.importorskip("langchain_tests")
-
-from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
-from langchain_core.tools import tool  # noqa: E402
-from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
-from pydantic import BaseModel, Field  # noqa: E402
-
-from langchain_kvboost import ChatKVBoost  # noqa: E402
-from langchain_kvboost import tools as hermes  # noqa: E402
+from langchain_kvboost import ChatKVBoost
 
 pytestmark = pytest.mark.real_model
 QWEN = {"model": "qwen2.5-coder-0.5b-instruct", "dtype": "float32", "max_tokens": 72}
@@ -30,56 +26,6 @@ def add(a: int, b: int) -> int:
 def multiply(a: int, b: int) -> int:
     """Multiply two integers."""
     return a * b
-
-
-class TestChatKVBoostToolCalling(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self) -> type[ChatKVBoost]:
-        return ChatKVBoost
-
-    @property
-    def chat_model_params(self) -> dict:
-        return QWEN
-
-    @property
-    def has_tool_calling(self) -> bool:
-        return True
-
-    @property
-    def has_tool_choice(self) -> bool:
-        return True
-
-    @property
-    def has_structured_output(self) -> bool:
-        return True
-
-    @property
-    def returns_usage_metadata(self) -> bool:
-        return True
-
-    @pytest.mark.xfail(
-        reason="with tool_choice left to the model, Qwen2.5-Coder-0.5B puts the customer's name "
-        "where the tool's name goes; forced tool_choice gives the right call "
-        "(test_forced_tool_call_and_structured_output)",
-        strict=False,
-    )
-    def test_unicode_tool_call_integration(self, model, *args, **kwargs) -> None:
-        super().test_unicode_tool_call_integration(model, *args, **kwargs)
-
-
-def test_parse_hermes_tool_calls():
-    content, calls, invalid = hermes.parse(
-        'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
-    )
-    assert (
-        content == "Let me add."
-        and calls[0]["name"] == "add"
-        and calls[0]["args"] == {"a": 1}
-        and not invalid
-    )
-    _, calls, invalid = hermes.parse('<tool_call>\n{"name": "add", "arguments": {"a": ')
-    assert not calls and invalid and invalid[0]["args"].startswith('{"name"')
-    assert hermes.parse("no tools here") == ("no tools here", [], [])
 
 
 def test_named_tool_choice_must_be_bound():
@@ -113,9 +59,10 @@ def test_fallback_tool_prompt_on_a_template_without_tools():
     from langchain_core.utils.function_calling import convert_to_openai_tool
 
     llm = ChatKVBoost(model="smollm2-135m-instruct", dtype="float32", max_tokens=48)
-    prompt, prefix = llm._prompt([HumanMessage("Add 2 and 3.")], [convert_to_openai_tool(add)], "add")
-    text = llm.engine.canonicalize(prompt).text
-    assert '"name": "add"' in text and "# Tools" in text and text.endswith(prefix)
+    tools = {"tools": [convert_to_openai_tool(add)], "tool_choice": "add"}
+    request, parser = llm._request([HumanMessage("Add 2 and 3.")], None, tools)
+    text = llm.engine.canonicalize(request.prompt).text
+    assert '"name": "add"' in text and "# Tools" in text and text.endswith(parser.text)
     msg = llm.bind_tools([add], tool_choice="add").invoke("Add 2 and 3.")
     assert [c["name"] for c in msg.tool_calls] == ["add"] or msg.invalid_tool_calls
 

@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from kvboost_rag.async_stream import END, StreamBridge
 from kvboost_rag.results import StreamChunk
-from kvboost_rag.server.streaming import END, EventStream, StreamBridge
+from kvboost_rag.server.streaming import EventStream
 
 
 async def drain(bridge: StreamBridge) -> list[Any]:

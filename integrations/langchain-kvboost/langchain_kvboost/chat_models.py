@@ -4,25 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
-from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.messages.tool import InvalidToolCall, ToolCall, tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer
 
-from langchain_kvboost import tools as hermes
+from kvboost_rag.tool_calls import ReplyParser, forced_prefix, offer_tools
 from langchain_kvboost.messages import to_chat_messages
 
 if TYPE_CHECKING:
-    from kvboost_rag import GenerationResult, KVBoostEngine, Request
+    from kvboost_rag import GenerationResult, KVBoostEngine, Request, StreamChunk
 
 
 def clear_engines() -> None:
@@ -129,6 +129,8 @@ class ChatKVBoost(BaseChatModel):
         )
 
     # -- generation --------------------------------------------------------------------------
+    # invoke and stream share one path: the request (with any tools), the engine's pieces, and
+    # one ReplyParser that splits content from tool calls; invoke feeds it the whole reply.
 
     def bind_tools(
         self,
@@ -143,38 +145,17 @@ class ChatKVBoost(BaseChatModel):
         one), or a tool name (must call that one; the reply is started for the model).
         """
         formatted = [convert_to_openai_tool(t) for t in tools]
-        hermes.forced_prefix(tool_choice, formatted)  # validates a named tool_choice now
+        forced_prefix(tool_choice, formatted)  # validates a named tool_choice now
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
-
-    def _prompt(
-        self, messages: list[BaseMessage], tools: list[dict] | None, tool_choice: Any
-    ) -> tuple[Any, str]:
-        """The engine prompt, and the text the reply is started with (forced tool calls)."""
-        chat = to_chat_messages(messages)
-        if not tools or tool_choice == "none":
-            return chat, ""
-        from kvboost_rag import Segment
-
-        engine = self.engine
-        if hermes.template_renders_tools(engine.tokenizer):
-            segments = engine.canonicalizer.segments_of(chat, tools=tools)
-        else:
-            segments = engine.canonicalizer.segments_of(hermes.with_fallback_prompt(chat, tools))
-        prefix = hermes.forced_prefix(tool_choice, tools)
-        return (segments + [Segment(prefix, "text")] if prefix else segments), prefix
 
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[Request, str, set[str] | None]:
-        """The engine request, the forced reply start, and the tool names to parse calls of (None: none)."""
+    ) -> tuple[Request, ReplyParser]:
+        """The engine request, and the parser of its reply (which knows the offered tools)."""
         from kvboost_rag.shared import request_for
 
-        tools = kwargs.pop("tools", None)
-        tool_choice = kwargs.pop("tool_choice", None)
-        prompt, prefix = self._prompt(messages, tools, tool_choice)
-        request = request_for(prompt, self, kwargs, stop=stop)
-        names = {t["function"]["name"] for t in tools} if tools and tool_choice != "none" else None
-        return request, prefix, names
+        prompt, parser = offer_tools(self.engine.canonicalizer, to_chat_messages(messages), kwargs)
+        return request_for(prompt, self, kwargs, stop=stop), parser
 
     def _generate(
         self,
@@ -183,8 +164,8 @@ class ChatKVBoost(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        request, prefix, tool_names = self._request(messages, stop, kwargs)
-        return self._chat_result(self.engine.generate(request), prefix, tool_names)
+        request, parser = self._request(messages, stop, kwargs)
+        return self._chat_result(self.engine.generate(request), parser)
 
     async def _agenerate(
         self,
@@ -196,21 +177,8 @@ class ChatKVBoost(BaseChatModel):
         # Served by the engine's scheduler: concurrent calls share batches, the event loop stays
         # free, and cancelling the task stops the request at its next token.
         engine = await asyncio.to_thread(lambda: self.engine)  # the first use loads the model
-        request, prefix, tool_names = self._request(messages, stop, kwargs)
-        return self._chat_result(await engine.agenerate(request), prefix, tool_names)
-
-    def _chat_result(self, result: GenerationResult, prefix: str, tool_names: set[str] | None) -> ChatResult:
-        content, calls, invalid = (
-            hermes.parse(prefix + result.text, tool_names) if tool_names else (result.text, [], [])
-        )
-        message = AIMessage(
-            content=content,
-            tool_calls=calls,
-            invalid_tool_calls=invalid,
-            usage_metadata=_usage(result),
-            response_metadata=self._response_metadata(result, bool(calls)),
-        )
-        return ChatResult(generations=[ChatGeneration(message=message)])
+        request, parser = self._request(messages, stop, kwargs)
+        return self._chat_result(await engine.agenerate(request), parser)
 
     def _stream(
         self,
@@ -219,37 +187,74 @@ class ChatKVBoost(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        request, prefix, tool_names = self._request(messages, stop, kwargs)
-        text, shown = prefix, 0  # with tools, content stops where a tool call starts
-        for piece in self.engine.stream(request):
-            text += piece.text
-            if tool_names:
-                # a bare call object (no tags) is only known at the end: hold back a reply that opens with "{"
-                safe = "" if text.lstrip().startswith("{") else text[: hermes.content_safe_length(text)]
-                if piece.result is not None:
-                    safe = hermes.parse(text, tool_names)[0]
-                delta, shown = safe[shown:], max(shown, len(safe))
-            else:
-                delta = piece.text
-            if piece.result is None:
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
-            else:
-                calls = hermes.parse(text, tool_names)[1] if tool_names else []
-                chunk = ChatGenerationChunk(
-                    message=AIMessageChunk(
-                        content=delta,
-                        tool_call_chunks=[
-                            tool_call_chunk(name=c["name"], args=json.dumps(c["args"]), id=c["id"], index=i)
-                            for i, c in enumerate(calls)
-                        ],
-                        usage_metadata=_usage(piece.result),
-                        response_metadata=self._response_metadata(piece.result, bool(calls)),
-                        chunk_position="last",
-                    )
-                )
-            if run_manager is not None and delta:
-                run_manager.on_llm_new_token(delta, chunk=chunk)
-            yield chunk
+        request, parser = self._request(messages, stop, kwargs)
+        stream = self.engine.stream(request)
+        try:
+            for piece in stream:
+                chunk = self._chunk(piece, parser)
+                if run_manager is not None and chunk.text:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+        finally:
+            stream.close()  # a consumer that stops early ends the request here
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        # Native: the engine hands each delta to the event loop as it comes out (no worker
+        # thread per chunk); a consumer that stops or is cancelled stops the request.
+        engine = await asyncio.to_thread(lambda: self.engine)
+        request, parser = self._request(messages, stop, kwargs)
+        stream = engine.astream(request)
+        try:
+            async for piece in stream:
+                chunk = self._chunk(piece, parser)
+                if run_manager is not None and chunk.text:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+        finally:
+            await stream.aclose()
+
+    def _chunk(self, piece: StreamChunk, parser: ReplyParser) -> ChatGenerationChunk:
+        """A streamed piece as a chunk; the last one carries the tool calls, usage and metadata
+        (calls that do not parse are left out of a stream; :meth:`invoke` reports them)."""
+        delta = parser.push(piece.text)
+        if piece.result is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=delta))
+        rest, reply = parser.finish()
+        message = AIMessageChunk(
+            content=delta + rest,
+            tool_call_chunks=[
+                tool_call_chunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i)
+                for i, c in enumerate(reply.calls)
+            ],
+            usage_metadata=_usage(piece.result),
+            response_metadata=self._response_metadata(piece.result, bool(reply.calls)),
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(message=message)
+
+    def _chat_result(self, result: GenerationResult, parser: ReplyParser) -> ChatResult:
+        """The whole reply as one message: the same parser, fed the reply in one piece."""
+        parser.push(result.text)
+        _, reply = parser.finish()
+        message = AIMessage(
+            content=reply.content,
+            tool_calls=[
+                ToolCall(name=c.name, args=c.arguments, id=c.id, type="tool_call") for c in reply.calls
+            ],
+            invalid_tool_calls=[
+                InvalidToolCall(name=None, args=c.raw, id=c.id, error=c.error, type="invalid_tool_call")
+                for c in reply.invalid
+            ],
+            usage_metadata=_usage(result),
+            response_metadata=self._response_metadata(result, bool(reply.calls)),
+        )
+        return ChatResult(generations=[ChatGeneration(message=message)])
 
     def _response_metadata(self, result: GenerationResult, called_tools: bool = False) -> dict[str, Any]:
         return {

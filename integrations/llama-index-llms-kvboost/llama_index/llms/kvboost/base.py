@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, cast
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -18,19 +17,24 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
+    TextBlock,
+    ToolCallBlock,
 )
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.llm import LLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 from llama_index.llms.kvboost.messages import to_chat_messages
 from pydantic import Field, PlainSerializer
 
+from kvboost_rag.tool_calls import Reply, ReplyParser, offer_tools
+
 if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
+
     from kvboost_rag import GenerationResult, KVBoostEngine, Request, StreamChunk
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 def _redacted(url: str | None) -> str | None:
@@ -40,7 +44,7 @@ def _redacted(url: str | None) -> str | None:
     return redacted_url(url)
 
 
-class KVBoost(LLM):
+class KVBoost(FunctionCallingLLM):
     """LlamaIndex LLM over a local HF causal LM that reuses the KV of repeated context.
 
     Query engines resend the same system prompt and retrieved nodes; KVBoost reads
@@ -144,7 +148,8 @@ class KVBoost(LLM):
             context_window=window,
             num_output=self.max_new_tokens,
             is_chat_model=True,
-            is_function_calling_model=False,
+            # Hermes tool calls: rendered by templates that take tools (Qwen2.5), else by a fallback prompt
+            is_function_calling_model=True,
             model_name=self.model,
         )
 
@@ -152,34 +157,75 @@ class KVBoost(LLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat(messages, kwargs)
+        request, parser = self._chat_request(messages, kwargs)
+        result = self.engine.generate(request)
+        parser.push(result.text)
+        return _chat_response(result, parser.finish()[1])
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return self._stream_chat(messages, kwargs)
+        request, parser = self._chat_request(messages, kwargs)  # bad input fails at the call
+        stream = self.engine.stream(request)
+
+        def responses() -> ChatResponseGen:
+            content = ""
+            try:
+                for piece in stream:
+                    response, content = _chat_delta(piece, parser, content)
+                    yield response
+            finally:
+                stream.close()  # a consumer that stops early ends the request here
+
+        return responses()
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Complete ``prompt`` as a user turn of the chat template (``formatted=True``: sent as is)."""
-        return self._complete(prompt, formatted, kwargs)
+        result = self.engine.generate(self._request(self._completion_prompt(prompt, formatted), kwargs))
+        return CompletionResponse(text=result.text, raw=_raw(result))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        return self._stream_complete(prompt, formatted, kwargs)
+        request = self._request(self._completion_prompt(prompt, formatted), kwargs)
+        stream = self.engine.stream(request)
+
+        def responses() -> CompletionResponseGen:
+            try:
+                yield from _completions(stream)
+            finally:
+                stream.close()
+
+        return responses()
 
     # -- async: the engine's scheduler serves these (concurrent calls share batches, and a
-    #    cancelled task stops its request); streams advance in worker threads ------------------
+    #    cancelled task stops its request); streams are native: the engine hands each delta to
+    #    the event loop as it comes out, and a consumer that stops ends the request ----------
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         engine = await self._aengine()
-        result = await engine.agenerate(self._request(to_chat_messages(messages), kwargs))
-        return _chat_response(result)
+        request, parser = self._chat_request(messages, kwargs)
+        result = await engine.agenerate(request)
+        parser.push(result.text)
+        return _chat_response(result, parser.finish()[1])
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        await self._aengine()
-        return _in_worker_thread(self._stream_chat(messages, kwargs))
+        engine = await self._aengine()
+        request, parser = self._chat_request(messages, kwargs)
+        stream = engine.astream(request)
+        await stream.start()  # bad input fails at the call
+
+        async def responses() -> ChatResponseAsyncGen:
+            content = ""
+            try:
+                async for piece in stream:
+                    response, content = _chat_delta(piece, parser, content)
+                    yield response
+            finally:
+                await stream.aclose()
+
+        return responses()
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -191,8 +237,80 @@ class KVBoost(LLM):
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
-        await self._aengine()
-        return _in_worker_thread(self._stream_complete(prompt, formatted, kwargs))
+        engine = await self._aengine()
+        stream = engine.astream(self._request(self._completion_prompt(prompt, formatted), kwargs))
+        await stream.start()
+
+        async def responses() -> CompletionResponseAsyncGen:
+            text = ""
+            try:
+                async for piece in stream:
+                    text += piece.text
+                    yield _completion(text, piece)
+            finally:
+                await stream.aclose()
+
+        return responses()
+
+    # -- tools (FunctionCallingLLM) ----------------------------------------------------------
+
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[BaseTool],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The ``chat`` arguments that offer ``tools``: ``tool_choice`` is ``"auto"``, ``"none"``,
+        ``"required"`` or a tool name; ``tool_required`` means ``"required"`` when none is given."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(
+                ChatMessage(role=MessageRole.USER, content=user_msg)
+                if isinstance(user_msg, str)
+                else user_msg
+            )
+        specs = [tool.metadata.to_openai_tool(skip_length_check=True) for tool in tools]
+        if tool_choice is None and tool_required:
+            tool_choice = "required"
+        return {"messages": messages, "tools": specs, "tool_choice": tool_choice, **kwargs}
+
+    def _validate_chat_with_tools_response(
+        self,
+        response: ChatResponse,
+        tools: Sequence[BaseTool],
+        allow_parallel_tool_calls: bool = False,
+        **kwargs: Any,
+    ) -> ChatResponse:
+        if not allow_parallel_tool_calls:  # keep the first call only
+            calls = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
+            response.message.blocks = [
+                b for b in response.message.blocks if not isinstance(b, ToolCallBlock) or b is calls[0]
+            ]
+        return response
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        """The tool calls of a ``chat_with_tools`` response (its ``ToolCallBlock`` blocks)."""
+        calls = [
+            ToolSelection(
+                tool_id=block.tool_call_id or "",
+                tool_name=block.tool_name,
+                tool_kwargs=block.tool_kwargs if isinstance(block.tool_kwargs, dict) else {},
+            )
+            for block in response.message.blocks
+            if isinstance(block, ToolCallBlock)
+        ]
+        if not calls and error_on_no_tool_call:
+            invalid = response.message.additional_kwargs.get("invalid_tool_calls")
+            why = f" (calls that did not parse: {invalid})" if invalid else ""
+            raise ValueError(f"the response has no tool call{why}; pass tool_required=True to force one")
+        return calls
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -208,67 +326,61 @@ class KVBoost(LLM):
             logger.debug("KVBoost ignores the option %r", name)
         return request
 
+    def _chat_request(
+        self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+    ) -> tuple[Request, ReplyParser]:
+        """The engine request of a chat call, and the parser of its reply (which knows any tools)."""
+        options = dict(kwargs)
+        prompt, parser = offer_tools(self.engine.canonicalizer, to_chat_messages(messages), options)
+        return self._request(prompt, options), parser
+
     def _completion_prompt(self, prompt: str, formatted: bool) -> Any:
         if formatted:
             return prompt
         messages = self._extend_messages([ChatMessage(role=MessageRole.USER, content=prompt)])
         return to_chat_messages(messages)
 
-    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        return _chat_response(self.engine.generate(self._request(to_chat_messages(messages), kwargs)))
 
-    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
-        request = self._request(to_chat_messages(messages), kwargs)  # bad input fails at the call
-        return (
-            ChatResponse(
-                message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                delta=piece.text,
-                raw=None if piece.result is None else _raw(piece.result),
-            )
-            for text, piece in _accumulate(self.engine.stream(request))
-        )
-
-    def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
-        result = self.engine.generate(self._request(self._completion_prompt(prompt, formatted), kwargs))
-        return CompletionResponse(text=result.text, raw=_raw(result))
-
-    def _stream_complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
-        request = self._request(self._completion_prompt(prompt, formatted), kwargs)
-        return (
-            CompletionResponse(
-                text=text, delta=piece.text, raw=None if piece.result is None else _raw(piece.result)
-            )
-            for text, piece in _accumulate(self.engine.stream(request))
-        )
+def _chat_delta(piece: StreamChunk, parser: ReplyParser, content: str) -> tuple[ChatResponse, str]:
+    """A streamed piece as a chat response, and the content so far (the last one carries the calls)."""
+    delta = parser.push(piece.text)
+    if piece.result is None:
+        content += delta
+        message = ChatMessage(role=MessageRole.ASSISTANT, content=content)
+        return ChatResponse(message=message, delta=delta), content
+    rest, reply = parser.finish()
+    response = _chat_response(piece.result, reply)
+    response.delta = delta + rest
+    return response, content + delta + rest
 
 
-def _accumulate(pieces: Iterator[StreamChunk]) -> Iterator[tuple[str, StreamChunk]]:
-    """Each streamed piece with the text so far."""
+def _completions(pieces: Iterator[StreamChunk]) -> Iterator[CompletionResponse]:
     text = ""
     for piece in pieces:
         text += piece.text
-        yield text, piece
+        yield _completion(text, piece)
 
 
-_DONE = object()
-
-
-async def _in_worker_thread(items: Generator[T, None, None]) -> AsyncGenerator[T, None]:
-    """Iterate a blocking generator in worker threads, one step at a time."""
-    try:
-        while (item := await asyncio.to_thread(next, items, _DONE)) is not _DONE:
-            yield cast(T, item)
-    finally:
-        # A step still running in its thread (the caller was cancelled) cannot be closed now;
-        # the generator is then closed when it is collected.
-        with contextlib.suppress(ValueError):
-            items.close()
-
-
-def _chat_response(result: GenerationResult) -> ChatResponse:
-    return ChatResponse(
-        message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text), raw=_raw(result)
+def _completion(text: str, piece: StreamChunk) -> CompletionResponse:
+    return CompletionResponse(
+        text=text, delta=piece.text, raw=None if piece.result is None else _raw(piece.result)
     )
+
+
+def _chat_response(result: GenerationResult, reply: Reply) -> ChatResponse:
+    """The reply as an assistant message: its content, then one ``ToolCallBlock`` per call."""
+    blocks: list[Any] = [TextBlock(text=reply.content)] if reply.content or not reply.calls else []
+    blocks += [
+        ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments) for c in reply.calls
+    ]
+    extra: dict[str, Any] = {}
+    if reply.invalid:
+        extra["invalid_tool_calls"] = [{"id": c.id, "raw": c.raw, "error": c.error} for c in reply.invalid]
+    message = ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=extra)
+    raw = _raw(result)
+    if reply.calls:
+        raw["finish_reason"] = "tool_calls"
+    return ChatResponse(message=message, raw=raw)
 
 
 def _raw(result: GenerationResult) -> dict[str, Any]:
