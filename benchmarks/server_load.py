@@ -7,8 +7,7 @@ essay excerpt) and asks its own question, so the system prompt's KV is computed
 once and read from the store afterwards. By default clients alternate streaming and
 non-streaming requests (``--stream mixed``; ``always`` and ``never`` too, several modes
 run one after another): streams give the time to the first content delta (TTFT as a
-client sees it); non-streamed requests go through the engine's batching scheduler,
-while streams run one by one beside the batches.
+client sees it); streamed and non-streamed requests share the engine's batches.
 
 Recorded: requests, failures (anything but a complete 200 answer; must be 0),
 latency p50/p95/p99 (all requests, and per kind), TTFT p50/p95/p99 (streams),
@@ -302,6 +301,57 @@ def system_prompt(tokens: int) -> str:
     return "Answer the question from the text below, in one sentence.\n\n" + text
 
 
+def single_stream_decode(
+    model_name: str, dtype: str, system: str, new_tokens: int, reps: int
+) -> dict[str, Any]:
+    """Decode ms/token of one engine stream against HF ``generate`` on the same model and prompt.
+
+    Both decode ``new_tokens`` greedy tokens after the same chat prompt; a repetition runs both
+    side by side. The stream's figure is the time from its first delta to its result over the
+    tokens after the first; HF's is (time for ``new_tokens``, minus time for 1) over the same count.
+    """
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch
+    from common import summary
+
+    from kvboost_rag import EngineConfig, KVBoostEngine
+    from kvboost_rag.models import load_model
+
+    model, tokenizer = load_model(model_name, dtype=dtype)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question(0, 0)}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
+    never_stop = {"eos_token_id": None, "pad_token_id": tokenizer.eos_token_id or 0}
+
+    def hf_seconds(n: int) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **never_stop)
+        return time.perf_counter() - t0
+
+    engine = KVBoostEngine(model, tokenizer, config=EngineConfig())
+    engine.eos_ids = frozenset()  # decode every token, as HF does with min_new_tokens
+    stream_ms, hf_ms = [], []
+    hf_seconds(2)  # warm-up
+    for _ in range(reps + 1):
+        t_first, done = None, None
+        for piece in engine.stream(messages, max_new_tokens=new_tokens, reuse="off"):
+            t_first = t_first or time.perf_counter()
+            done = piece.result
+        assert done is not None and done.usage.completion_tokens == new_tokens, done
+        stream_ms.append((time.perf_counter() - t_first) * 1000 / (new_tokens - 1))
+        hf_ms.append((hf_seconds(new_tokens) - hf_seconds(1)) * 1000 / (new_tokens - 1))
+    engine.close()
+    stream_ms, hf_ms = stream_ms[1:], hf_ms[1:]  # the first repetition warms both up
+    return {
+        "new_tokens": new_tokens,
+        "prompt_tokens": int(ids.shape[1]),
+        "stream_decode_ms_per_token": summary(stream_ms),
+        "hf_generate_decode_ms_per_token": summary(hf_ms),
+        "stream_over_hf": summary([a / b for a, b in zip(stream_ms, hf_ms, strict=True)]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -362,6 +412,14 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             server.kill()
 
+    # with the server gone, so that nothing else runs beside it
+    decode = single_stream_decode(args.model, args.dtype, system, 64, 3 if args.quick else 5)
+    print(
+        f"single-stream decode: {decode['stream_decode_ms_per_token']['median']:.1f} ms/token, HF generate "
+        f"{decode['hf_generate_decode_ms_per_token']['median']:.1f} ms/token "
+        f"(stream/HF {decode['stream_over_hf']['median']:.2f}x)",
+        flush=True,
+    )
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import machine
 
@@ -374,6 +432,7 @@ def main() -> None:
                 "machine": machine(),
                 "settings": settings_out,
                 "runs": runs,
+                "single_stream_decode": decode,
                 "server_exit_code": server.returncode,
             },
             indent=2,

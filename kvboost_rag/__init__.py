@@ -15,6 +15,7 @@ from .errors import (
     MissingModelPackageError,
     ModelNotFoundError,
     StoreError,
+    StreamOverflowError,
     UnsupportedModelError,
 )
 from .request import Request
@@ -35,6 +36,7 @@ __all__ = [
     "Segment",
     "StoreError",
     "StreamChunk",
+    "StreamOverflowError",
     "UnsupportedModelError",
     "Timings",
     "Usage",

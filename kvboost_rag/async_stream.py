@@ -153,6 +153,7 @@ class AsyncStream(AsyncIterator[StreamChunk]):
             self._bridge.stop()
 
     async def aclose(self) -> None:
-        """End the stream here; the request stops at its next layer or token."""
-        self._done = True
-        self.cancel()
+        """End the stream here; a request still running stops at its next layer or token."""
+        if not self._done:
+            self._done = True
+            self.cancel()

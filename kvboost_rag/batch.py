@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +48,10 @@ class BatchRow:
     request: Request
     max_new_tokens: int
     cancelled: threading.Event | None = None
+    on_delta: Callable[[str], None] | None = None
+    """Called with each piece of new text as the row's tokens come out (streams)."""
+    on_finish: Callable[[RowOutput], None] | None = None
+    """Called with the row's output as it leaves the batch (its result need not wait for the others)."""
 
 
 @dataclass
@@ -113,6 +117,15 @@ def run_batch(
     generators = [r.request.generator(logits.device) for r in rows]
     outputs: list[RowOutput | None] = [None] * count
     first_token_at = [0.0] * count
+
+    def leave(i: int, reason: str, error: Exception | None = None) -> None:
+        stream = streams[i]
+        out = RowOutput(stream.text, list(stream.ids), reason, first_logits[i], first_token_at[i], error)
+        outputs[i] = out
+        on_finish = rows[i].on_finish
+        if on_finish is not None:
+            on_finish(out)
+
     next_position = torch.tensor([len(r.token_ids) for r in rows], device=device)
     active = list(range(count))  # request index of each live batch row
     step = 0
@@ -121,26 +134,23 @@ def run_batch(
         for b, i in enumerate(active):
             row, stream = rows[i], streams[i]
             if row.cancelled is not None and row.cancelled.is_set():
-                outputs[i] = RowOutput(
-                    stream.text, list(stream.ids), "cancelled", first_logits[i], first_token_at[i]
-                )
+                leave(i, "cancelled")
                 continue
             try:
                 token = select_token(logits[b], row.request, generators[i])
             except Exception as e:  # this row alone fails; the others go on
-                outputs[i] = RowOutput(
-                    stream.text, list(stream.ids), "error", first_logits[i], first_token_at[i], error=e
-                )
+                leave(i, "error", e)
                 continue
             if step == 0:
                 first_token_at[i] = time.perf_counter()
-            stream.push(token)
-            if token in eos_ids or stream.stopped or step + 1 >= row.max_new_tokens:
-                stream.finish()
-                reason = "length" if token not in eos_ids and not stream.stopped else "stop"
-                outputs[i] = RowOutput(
-                    stream.text, list(stream.ids), reason, first_logits[i], first_token_at[i]
-                )
+            delta = stream.push(token)
+            ends = token in eos_ids or stream.stopped or step + 1 >= row.max_new_tokens
+            if ends:
+                delta += stream.finish()
+            if delta and row.on_delta is not None:
+                row.on_delta(delta)
+            if ends:
+                leave(i, "length" if token not in eos_ids and not stream.stopped else "stop")
                 continue
             chosen.append(token)
             keep.append(b)

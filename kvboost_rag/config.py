@@ -175,6 +175,11 @@ class EngineConfig(BaseModel):
     runs several times faster for a few rows (an 8-row SmolLM2 decode step: 113 ms against
     151 ms); costs one extra copy of the linear weights, made at the first batch. False: no copy."""
 
+    stream_buffer_deltas: int = Field(default=4096, ge=1)
+    """Most undelivered text deltas a stream may hold while its reader falls behind; past it the
+    stream is stopped with :class:`~kvboost_rag.errors.StreamOverflowError`. Streams share the
+    batches' decode steps, which never wait for a reader."""
+
     batch_window_ms: float = Field(default=0.0, ge=0.0, le=10_000.0)
     """How long a request waits for others to join its batch. 0: no wait; requests still batch
     when they arrive while another batch runs. A lone request pays at most this much latency."""

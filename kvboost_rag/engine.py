@@ -24,13 +24,13 @@ from .config import EngineConfig
 from .core import EngineCore, eos_ids, namespace_of
 from .errors import KVBoostError, UnsupportedModelError
 from .followups import FollowUps
-from .generation import CancellableStream, Generation, Prepared
+from .generation import CancellableStream, Generation, OnDelta, Prepared, ScheduledStream
 from .invariance import choose_schedule, schedule_note, schedule_stats
 from .models import load_model
 from .registry import DocumentRegistry
 from .request import Request
 from .results import GenerationResult, PrewarmReport, WarmReport
-from .scheduler import Scheduler
+from .scheduler import BatchFuture, Scheduler
 from .store import KVStore
 from .store.factory import open_store
 from .warming import prewarm, store_reply, warm
@@ -97,7 +97,7 @@ class KVBoostEngine:
         )
         self._followups = FollowUps(name="kvboost-reply-store")
         self.generation = Generation(self.core, self._followups)
-        self._scheduler: Scheduler[Request] | None = None
+        self._scheduler: Scheduler[Request | Prepared] | None = None
         self._scheduler_lock = threading.Lock()
         if self.config.reuse == "blend":
             self.core.blend_shifter()  # refuse an unsupported model now, not at the first request
@@ -156,15 +156,25 @@ class KVBoostEngine:
             future.cancel()  # interrupted while waiting: the row leaves its batch at the next token
             raise
 
-    def stream(self, prompt: PromptInput | Request, **settings: Any) -> CancellableStream:
-        """Like :meth:`generate`, yielding text deltas; the last item carries the result (streams run
-        one at a time, outside the batches). Bad input raises here, before the first item.
+    def stream(self, prompt: PromptInput | Request, **settings: Any) -> CancellableStream | ScheduledStream:
+        """Like :meth:`generate`, yielding text deltas; the last item carries the result. Bad input
+        raises here, before the first item.
+
+        Streams are served by the batching scheduler as :meth:`generate` calls are: a lone stream
+        runs the exact single-request path, concurrent ones share batches (and their decode steps)
+        with each other and with non-streamed requests, each getting its deltas as its tokens come
+        out. A reader that falls ``config.stream_buffer_deltas`` behind is stopped
+        (:class:`~kvboost_rag.errors.StreamOverflowError`); the batch never waits for it. With
+        ``max_batch_size=1`` a stream runs in the calling thread.
 
         ``stream.cancel()``, from any thread, stops the request at its next layer or token
         (a long prefill too); the stream then raises ``concurrent.futures.CancelledError``.
         """
         request = Request.coerce(prompt, settings)
-        return CancellableStream(self.generation, self.generation.prepare(request, time.perf_counter()))
+        prepared = self.generation.prepare(request, time.perf_counter())
+        if self.config.max_batch_size == 1:
+            return CancellableStream(self.generation, prepared)
+        return ScheduledStream(self._submit, prepared, self.config.stream_buffer_deltas)
 
     def astream(self, prompt: PromptInput | Request, **settings: Any) -> AsyncStream:
         """:meth:`stream` for asyncio: ``async for piece in engine.astream(...)``. Each delta is
@@ -182,6 +192,9 @@ class KVBoostEngine:
         runs, are served together. ``future.cancel()`` also stops a running request at
         its next token; the other requests of its batch are unaffected.
         """
+        return self._submit(request)
+
+    def _submit(self, request: Request | Prepared, on_delta: OnDelta | None = None) -> BatchFuture:
         with self._scheduler_lock:
             if self._scheduler is None:
                 self._scheduler = Scheduler(
@@ -189,7 +202,7 @@ class KVBoostEngine:
                     window_s=self.config.batch_window_ms / 1000,
                     max_batch_size=self.config.max_batch_size,
                 )
-        return self._scheduler.submit(request)
+        return self._scheduler.submit(request, on_delta)
 
     async def agenerate(self, prompt: PromptInput | Request, **settings: Any) -> GenerationResult:
         """:meth:`generate` for asyncio: served by the scheduler, so the event loop is never blocked;

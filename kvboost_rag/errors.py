@@ -45,3 +45,9 @@ class DamagedStoreError(StoreError):
             f"still check, or 'kvboost-rag clear --store {self.directory} --yes' to start empty"
         )
         super().__init__(msg)
+
+
+class StreamOverflowError(KVBoostError):
+    """A stream's reader fell so far behind that its undelivered deltas passed
+    ``EngineConfig.stream_buffer_deltas``; the stream was stopped so that the batch it shares
+    never waits for one reader."""

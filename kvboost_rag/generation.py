@@ -9,29 +9,48 @@ they are alone or cannot share a batch (blend mode, sliding windows), else toget
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
-from concurrent.futures import CancelledError
+from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import CancelledError, Future
+from functools import partial
 from typing import NamedTuple, cast
 
 import torch
 
-from .batch import BatchRow, run_batch
+from .batch import BatchRow, RowOutput, run_batch
 from .blend import blend_prefill
 from .canonical import CanonicalPrompt, is_messages
 from .config import ReuseMode
 from .core import EngineCore
+from .errors import StreamOverflowError
 from .followups import FollowUps
 from .keys import Chunk, salted
 from .request import Request
 from .results import FinishReason, GenerationResult, StreamChunk, Timings, Usage
 from .runner import PrefillOutcome, decode, holding_writes
-from .scheduler import Pending
+from .scheduler import BatchFuture, Pending
 from .textstream import TextStream
 from .warming import store_reply
 
 logger = logging.getLogger(__name__)
+
+OnDelta = Callable[[str], None]
+"""Takes each piece of a request's new text, on the thread that generates it."""
+
+Outcome = GenerationResult | BaseException
+
+
+class Hooks(NamedTuple):
+    """How a running request talks to its caller (each on the thread that generates it)."""
+
+    cancel: threading.Event | None = None
+    """Set by the caller: the request stops at its next layer or token."""
+    on_delta: OnDelta | None = None
+    """Each piece of new text as the request's tokens come out (streams)."""
+    on_outcome: Callable[[Outcome], None] | None = None
+    """The request's result (or error) as soon as it is known, before the rest of its batch ends."""
 
 
 class Prepared(NamedTuple):
@@ -65,9 +84,82 @@ class CancellableStream(Iterator[StreamChunk]):
         """Stop the request at its next layer or token (safe from any thread)."""
         self._cancel.set()
 
+    @property
+    def cancelled(self) -> bool:
+        """True once :meth:`cancel` was called."""
+        return self._cancel.is_set()
+
     def close(self) -> None:
         """End the stream here (from the thread that iterates it), releasing what it holds."""
         self._steps.close()
+
+
+class ScheduledStream(Iterator[StreamChunk]):
+    """Text deltas of one request served by the batching scheduler, then a last item that carries
+    its result (see :meth:`KVBoostEngine.stream`).
+
+    The request shares every decode step with the other requests running beside it; its deltas
+    are queued as its tokens come out, so a slow reader never holds the batch back. A reader that
+    falls more than ``max_buffered`` deltas behind has its request stopped
+    (:class:`~kvboost_rag.errors.StreamOverflowError`). :meth:`cancel`, from any thread, stops
+    the request at its next layer or token; the stream then raises ``CancelledError``.
+    """
+
+    def __init__(
+        self, submit: Callable[[Prepared, OnDelta], BatchFuture], prepared: Prepared, max_buffered: int
+    ) -> None:
+        self._items: queue.SimpleQueue[str | Future] = queue.SimpleQueue()
+        self._max_buffered = max_buffered
+        self._overflowed = False
+        self._done = False
+        self._future = submit(prepared, self._on_delta)
+        self._future.add_done_callback(self._items.put)  # after the last delta: the same thread
+
+    def _on_delta(self, text: str) -> None:  # on the scheduler's thread
+        if self._overflowed:
+            return
+        if self._items.qsize() >= self._max_buffered:
+            self._overflowed = True
+            self._future.cancel()
+            return
+        self._items.put(text)
+
+    def __next__(self) -> StreamChunk:
+        if self._done:
+            raise StopIteration
+        item = self._items.get()
+        if isinstance(item, str):
+            return StreamChunk(item)
+        self._done = True
+        if self._overflowed:
+            msg = (
+                f"the stream's reader fell behind by more than {self._max_buffered} deltas and the "
+                "request was stopped; read the stream as it comes, or raise "
+                "EngineConfig.stream_buffer_deltas"
+            )
+            raise StreamOverflowError(msg)
+        if item.cancelled():
+            raise CancelledError()
+        error = item.exception()
+        if error is not None:
+            raise error
+        return StreamChunk("", item.result())
+
+    def cancel(self) -> None:
+        """Stop the request at its next layer or token (safe from any thread; no effect once it ended)."""
+        if not self._future.done():
+            self._future.cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        """True once :meth:`cancel` was called (or the reader fell too far behind)."""
+        return self._future.cancel_requested.is_set()
+
+    def close(self) -> None:
+        """End the stream here; a request still running stops at its next layer or token."""
+        if not self._done:
+            self._done = True
+            self.cancel()
 
 
 class Generation:
@@ -92,8 +184,9 @@ class Generation:
         max_new = core.room_for(len(canonical), request.max_new_tokens)
         return Prepared(request, canonical, mode, max_new, submitted_at)
 
-    def serve(self, pending: Sequence[Pending[Request]]) -> list[GenerationResult | BaseException]:
-        """Scheduler callback: prepare each request, isolating bad input, then run them together.
+    def serve(self, pending: Sequence[Pending[Request | Prepared]]) -> list[GenerationResult | BaseException]:
+        """Scheduler callback: prepare each request (streams come prepared), isolating bad input, then
+        run them together; a stream's ``on_delta`` gets its text as its tokens come out.
 
         A request cancelled (or timed out) while it is prepared runs no further.
         """
@@ -101,7 +194,8 @@ class Generation:
         prepared: list[tuple[int, Prepared]] = []
         for i, p in enumerate(pending):
             try:
-                ready = self.prepare(p.request, p.submitted_at)
+                item = p.request
+                ready = item if isinstance(item, Prepared) else self.prepare(item, p.submitted_at)
             except Exception as e:
                 outcomes[i] = e
                 continue
@@ -109,20 +203,28 @@ class Generation:
                 outcomes[i] = CancelledError()
             else:
                 prepared.append((i, ready))
-        cancels = [pending[i].future.cancel_requested for i, _ in prepared]
-        for (i, _), outcome in zip(prepared, self.run_all([p for _, p in prepared], cancels), strict=True):
+        hooks = [
+            Hooks(
+                pending[i].future.cancel_requested, pending[i].on_delta, partial(_settle, pending[i].future)
+            )
+            for i, _ in prepared
+        ]
+        ran = self.run_all([p for _, p in prepared], hooks)
+        for (i, _), outcome in zip(prepared, ran, strict=True):
             outcomes[i] = outcome
         return outcomes  # type: ignore[return-value]
 
     def run_all(
-        self, prepared: list[Prepared], cancels: Sequence[threading.Event | None] | None = None
+        self,
+        prepared: list[Prepared],
+        hooks: Sequence[Hooks] | None = None,
     ) -> list[GenerationResult | BaseException]:
         """Run prepared requests: alone when there is one (the exact solo path), else as a batch.
 
         Requests that cannot reuse chunks (sliding-window models beyond the window) and
         blend requests run alone.
         """
-        cancels = list(cancels) if cancels is not None else [None] * len(prepared)
+        hooks = list(hooks) if hooks is not None else [Hooks()] * len(prepared)
         blocker = self.core.assembler.exact_reuse_blocker
         alone = [
             i
@@ -133,22 +235,26 @@ class Generation:
         outcomes: list[GenerationResult | BaseException | None] = [None] * len(prepared)
         for i in alone:
             try:
-                outcomes[i] = self.solo(prepared[i], cancels[i])
+                outcomes[i] = self.solo(prepared[i], hooks[i].cancel, hooks[i].on_delta)
             except Exception as e:
                 outcomes[i] = e
         if together:
             try:
-                batch = self.batch([prepared[i] for i in together], [cancels[i] for i in together])
+                batch = self.batch([prepared[i] for i in together], [hooks[i] for i in together])
             except Exception as e:  # e.g. out of memory: these requests fail, the others stand
                 batch = [e] * len(together)
             for i, outcome in zip(together, batch, strict=True):
                 outcomes[i] = outcome
         return outcomes  # type: ignore[return-value]
 
-    def solo(self, prepared: Prepared, cancel: threading.Event | None = None) -> GenerationResult:
+    def solo(
+        self, prepared: Prepared, cancel: threading.Event | None = None, on_delta: OnDelta | None = None
+    ) -> GenerationResult:
         """Run one request alone to its result; ``cancel`` stops it at its next layer or token."""
         result = None
         for chunk in self.stream(prepared, cancel):
+            if on_delta is not None and chunk.text:
+                on_delta(chunk.text)
             result = chunk.result
         assert result is not None
         return result
@@ -168,11 +274,14 @@ class Generation:
         yield last
 
     def batch(
-        self, prepared: list[Prepared], cancels: list[threading.Event | None]
+        self,
+        prepared: list[Prepared],
+        hooks: list[Hooks],
     ) -> list[GenerationResult | BaseException]:
-        """Run requests as one batch: every prompt but its last chunk through the store, the rest together."""
+        """Run requests as one batch: every prompt but its last chunk through the store, the rest together;
+        a request leaves the batch as soon as it ends, and its ``on_outcome`` hook hears of it then."""
         with self.followups.activity():
-            results = self._batch_rows(prepared, cancels)
+            results = self._batch_rows(prepared, hooks)
         for p, result in zip(prepared, results, strict=True):
             if isinstance(result, GenerationResult):
                 self._follow_up(p, result)
@@ -190,21 +299,33 @@ class Generation:
         self.followups.submit(lambda: store_reply(self.core, messages, result.text, salt))  # type: ignore[arg-type]
 
     def _batch_rows(
-        self, prepared: list[Prepared], cancels: list[threading.Event | None]
+        self, prepared: list[Prepared], hooks: list[Hooks]
     ) -> list[GenerationResult | BaseException]:
         core = self.core
         t_prefill = time.perf_counter()
         results: list[GenerationResult | BaseException | None] = [None] * len(prepared)
+
+        def settle(i: int, outcome: Outcome) -> None:
+            results[i] = outcome
+            on_outcome = hooks[i].on_outcome
+            if on_outcome is not None:
+                on_outcome(outcome)
+
+        def finish_row(i: int, row: BatchRow, out: RowOutput) -> None:  # as the row leaves the batch
+            settle(i, self._row_result(prepared[i], row, out, t_prefill))
+
         rows: dict[int, BatchRow] = {}  # by request index: the requests whose prefix prefill went well
         keys: list[list[tuple[str, int]]] = []  # (key, end) of each row's prefix chunks
         with core.lock:
-            for i, (p, cancel) in enumerate(zip(prepared, cancels, strict=True)):
+            for i, (p, hook) in enumerate(zip(prepared, hooks, strict=True)):
                 chunks = core.chunks(p.canonical, p.request.cache_salt)
                 try:
-                    rows[i] = self._batch_row(p, chunks, cancel)
+                    row = self._batch_row(p, chunks, hook.cancel, hook.on_delta)
                 except Exception as e:  # this request alone fails; the others still run
-                    results[i] = e
+                    settle(i, e)
                     continue
+                row.on_finish = partial(finish_row, i, row)
+                rows[i] = row
                 keys.append([(c.key, c.end) for c in chunks[:-1]])
         if not rows:
             return results  # type: ignore[return-value]
@@ -213,28 +334,32 @@ class Generation:
             if any(key != column[0] for key in column):
                 break
             shared = column[0][1]
-        outputs = run_batch(
-            core.assembler, core.tokenizer, list(rows.values()), core.eos_ids, core.lock, shared
-        )
-        done = time.perf_counter()
-        for (i, row), out in zip(rows.items(), outputs, strict=True):
-            p = prepared[i]
-            if out.finish_reason == "cancelled" or out.error is not None:
-                results[i] = out.error or CancelledError()
-                continue
-            prefix_recomputed = row.prefix.recomputed_tokens if row.prefix else 0
-            recomputed = prefix_recomputed + len(p.canonical) - row.prefix_tokens
-            timings = Timings(
-                out.first_token_at - p.submitted_at, done - p.submitted_at, out.first_token_at - t_prefill
-            )
-            finish = cast(FinishReason, out.finish_reason)  # "cancelled" and "error" are left above
-            note = core.reuse_note if p.mode == "exact" else None
-            results[i] = _result(
-                p, row.prefix, out.text, out.token_ids, finish, recomputed, timings, out.first_logits, note
-            )
+        run_batch(core.assembler, core.tokenizer, list(rows.values()), core.eos_ids, core.lock, shared)
         return results  # type: ignore[return-value]
 
-    def _batch_row(self, p: Prepared, chunks: list[Chunk], cancel: threading.Event | None) -> BatchRow:
+    def _row_result(self, p: Prepared, row: BatchRow, out: RowOutput, t_prefill: float) -> Outcome:
+        """The result of a finished batch row (or what stopped it)."""
+        if out.finish_reason == "cancelled" or out.error is not None:
+            return out.error or CancelledError()
+        done = time.perf_counter()
+        prefix_recomputed = row.prefix.recomputed_tokens if row.prefix else 0
+        recomputed = prefix_recomputed + len(p.canonical) - row.prefix_tokens
+        timings = Timings(
+            out.first_token_at - p.submitted_at, done - p.submitted_at, out.first_token_at - t_prefill
+        )
+        finish = cast(FinishReason, out.finish_reason)  # "cancelled" and "error" are left above
+        note = self.core.reuse_note if p.mode == "exact" else None
+        return _result(
+            p, row.prefix, out.text, out.token_ids, finish, recomputed, timings, out.first_logits, note
+        )
+
+    def _batch_row(
+        self,
+        p: Prepared,
+        chunks: list[Chunk],
+        cancel: threading.Event | None,
+        on_delta: OnDelta | None = None,
+    ) -> BatchRow:
         """A request as a batch row: every chunk but the last prefilled exactly (through the store in
         exact mode); the last runs with the other rows."""
         core = self.core
@@ -250,7 +375,9 @@ class Generation:
                 need_logits=False,
                 stop=cancel,
             )
-        return BatchRow(p.canonical.token_ids, prefix, chunks[-1].start, p.request, p.max_new_tokens, cancel)
+        return BatchRow(
+            p.canonical.token_ids, prefix, chunks[-1].start, p.request, p.max_new_tokens, cancel, on_delta
+        )
 
     def _steps(
         self, prepared: Prepared, cancel: threading.Event | None
@@ -283,11 +410,11 @@ class Generation:
                 raise CancelledError()
             first_token_at = first_token_at or time.perf_counter()
             delta = text.push(token)
+            if delta:  # also the text that a stop string's token makes safe
+                yield StreamChunk(delta)
             if token in core.eos_ids or text.stopped:
                 finish = "stop"
                 break
-            if delta:
-                yield StreamChunk(delta)
         tail = text.finish()
         t0 = prepared.submitted_at
         ttft = (first_token_at - t0) if first_token_at else 0.0
@@ -332,6 +459,16 @@ class Generation:
             reusable=chunked,
             stop=cancel,
         )
+
+
+def _settle(future: Future, outcome: Outcome) -> None:
+    """Complete a scheduler future now (the scheduler leaves futures already done as they are)."""
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 def _result(

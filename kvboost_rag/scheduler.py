@@ -41,6 +41,8 @@ class Pending(Generic[R]):
     request: R
     submitted_at: float
     future: BatchFuture = field(default_factory=BatchFuture)
+    on_delta: Callable[[str], None] | None = None
+    """Called on the worker thread with each piece of new text, as the request's tokens come out."""
 
 
 class Scheduler(Generic[R]):
@@ -65,8 +67,8 @@ class Scheduler(Generic[R]):
         self._worker = threading.Thread(target=self._serve, name="kvboost-scheduler", daemon=True)
         self._worker.start()
 
-    def submit(self, request: R) -> BatchFuture:
-        pending = Pending(request, time.perf_counter())
+    def submit(self, request: R, on_delta: Callable[[str], None] | None = None) -> BatchFuture:
+        pending = Pending(request, time.perf_counter(), on_delta=on_delta)
         with self._ready:
             if self._closed:
                 raise RuntimeError("the engine is closed; create a new one to generate")
@@ -106,6 +108,8 @@ class Scheduler(Generic[R]):
             except BaseException as e:  # a bug in the batch path: fail these requests, keep serving
                 outcomes = [e] * len(live)
             for pending, outcome in zip(live, outcomes, strict=True):
+                if pending.future.done():  # settled as its row left the batch
+                    continue
                 if isinstance(outcome, BaseException):
                     pending.future.set_exception(outcome)
                 else:

@@ -243,3 +243,16 @@ class LayerSpy:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def record_streams(monkeypatch: Any, engine: Any) -> list:
+    """Make ``engine.stream`` keep every stream it opens, in order, to see how each one ended."""
+    opened: list = []
+    real_stream = engine.stream
+
+    def stream(*args: Any, **kwargs: Any) -> Any:
+        opened.append(real_stream(*args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(engine, "stream", stream)
+    return opened

@@ -4,6 +4,7 @@ request (at its next layer, in a long prefill too)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import CancelledError
 
 import pytest
@@ -55,7 +56,10 @@ async def test_stopping_the_reader_stops_the_prefill_at_the_next_layer(how):
 
     def in_layer_0() -> None:  # on the model's thread: hold the forward until the reader has stopped it
         loop.call_soon_threadsafe(entered.set)
-        assert stream._bridge is not None and stream._bridge.steps._cancel.wait(60)
+        assert stream._bridge is not None
+        deadline = time.monotonic() + 60
+        while not stream._bridge.steps.cancelled and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     spy.cancel = in_layer_0
     task = asyncio.create_task(read())

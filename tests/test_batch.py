@@ -177,10 +177,10 @@ def test_a_request_failing_inside_the_batch_fails_alone(monkeypatch, stage):
     if stage == "prefill":
         real_row = engine.generation._batch_row
 
-        def row(p, chunks, cancel):
+        def row(p, chunks, *hooks):
             if p.request.prompt is poisoned:
                 raise MemoryError("no room for this prefix")
-            return real_row(p, chunks, cancel)
+            return real_row(p, chunks, *hooks)
 
         monkeypatch.setattr(engine.generation, "_batch_row", row)
     else:

@@ -1,9 +1,9 @@
 """The state of one app and its request paths: admit, generate (whole or streamed), drain, shut down.
 
-Concurrency model: the event loop never runs model code. Non-streaming requests
-are handed to the engine's batching scheduler (``engine.submit``), so concurrent
-requests share batches. A stream runs the engine's synchronous iterator on its
-own thread (:class:`~kvboost_rag.async_stream.StreamBridge`). Every generation
+Concurrency model: the event loop never runs model code. Every request is handed to
+the engine's batching scheduler (``engine.submit``, or ``engine.stream`` for streams), so
+concurrent requests, streamed or not, share batches. A stream's items reach the loop
+through :class:`~kvboost_rag.async_stream.StreamBridge`. Every generation
 request holds one admission ticket from arrival to its last byte.
 """
 

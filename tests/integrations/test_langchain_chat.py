@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("langchain_core")
 
-from helpers import essay_paragraphs, run_while_ticking  # noqa: E402
+from helpers import essay_paragraphs, record_streams, run_while_ticking  # noqa: E402
 from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
@@ -128,6 +128,35 @@ def test_ainvoke_keeps_the_event_loop_responsive():
     _, ticks, elapsed = run_while_ticking(lambda: model.ainvoke(messages, reuse="off"))
     assert elapsed > 0.05
     assert ticks >= 0.3 * elapsed / 0.005, (ticks, elapsed)
+
+
+def test_astream_is_native_gives_the_invoke_text_and_stops_when_the_consumer_leaves(monkeypatch):
+    from langchain_core.language_models.chat_models import BaseChatModel
+
+    assert ChatKVBoost._astream is not BaseChatModel._astream  # not LangChain's thread wrapper
+    model = llm(max_tokens=24)
+    messages = [HumanMessage("Write a short poem about the sea.")]
+    whole = model.invoke(messages)
+    opened = record_streams(monkeypatch, model.engine)
+
+    async def read_all():
+        return [chunk async for chunk in model.astream(messages)]
+
+    chunks, ticks, elapsed = run_while_ticking(read_all)
+    assert "".join(c.content for c in chunks) == whole.content
+    assert chunks[-1].usage_metadata["output_tokens"] == whole.usage_metadata["output_tokens"]
+    assert ticks >= 0.3 * elapsed / 0.005, (ticks, elapsed)
+
+    async def read_two():
+        got = []
+        async for chunk in model.astream(messages):
+            got.append(chunk)
+            if len(got) == 2:
+                break  # the consumer leaves: the request stops at its next token
+        return got
+
+    asyncio.run(read_two())
+    assert opened[-1].cancelled  # the engine's stream was stopped, not left running
 
 
 def test_stream_fires_one_callback_per_delta_and_marks_the_last_chunk():
