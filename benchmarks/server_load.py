@@ -413,7 +413,7 @@ def main() -> None:
             server.kill()
 
     # with the server gone, so that nothing else runs beside it
-    decode = single_stream_decode(args.model, args.dtype, system, 64, 3 if args.quick else 5)
+    decode = single_stream_decode(args.model, args.dtype, system, 64, 3 if args.quick else 7)
     print(
         f"single-stream decode: {decode['stream_decode_ms_per_token']['median']:.1f} ms/token, HF generate "
         f"{decode['hf_generate_decode_ms_per_token']['median']:.1f} ms/token "
