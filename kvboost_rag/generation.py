@@ -215,9 +215,7 @@ class Generation:
         return outcomes  # type: ignore[return-value]
 
     def run_all(
-        self,
-        prepared: list[Prepared],
-        hooks: Sequence[Hooks] | None = None,
+        self, prepared: list[Prepared], hooks: Sequence[Hooks] | None = None
     ) -> list[GenerationResult | BaseException]:
         """Run prepared requests: alone when there is one (the exact solo path), else as a batch.
 
@@ -273,19 +271,11 @@ class Generation:
         self._follow_up(prepared, last.result)
         yield last
 
-    def batch(
-        self,
-        prepared: list[Prepared],
-        hooks: list[Hooks],
-    ) -> list[GenerationResult | BaseException]:
+    def batch(self, prepared: list[Prepared], hooks: list[Hooks]) -> list[GenerationResult | BaseException]:
         """Run requests as one batch: every prompt but its last chunk through the store, the rest together;
         a request leaves the batch as soon as it ends, and its ``on_outcome`` hook hears of it then."""
         with self.followups.activity():
-            results = self._batch_rows(prepared, hooks)
-        for p, result in zip(prepared, results, strict=True):
-            if isinstance(result, GenerationResult):
-                self._follow_up(p, result)
-        return results
+            return self._batch_rows(prepared, hooks)
 
     def _follow_up(self, prepared: Prepared, result: GenerationResult) -> None:
         """Queue storing a chat reply as the next turn will render it (see ``EngineConfig.store_replies``)."""
@@ -307,6 +297,8 @@ class Generation:
 
         def settle(i: int, outcome: Outcome) -> None:
             results[i] = outcome
+            if isinstance(outcome, GenerationResult):  # queued before the caller can send the next turn
+                self._follow_up(prepared[i], outcome)
             on_outcome = hooks[i].on_outcome
             if on_outcome is not None:
                 on_outcome(outcome)
