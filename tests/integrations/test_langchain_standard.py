@@ -56,6 +56,10 @@ class TestChatKVBoostIntegration(Capabilities, ChatModelIntegrationTests):
         return INTEGRATION_PARAMS
 
     @property
+    def model_override_value(self) -> str:
+        return "smollm2-135m-instruct"  # invoke(..., model=...) runs on that model's shared engine
+
+    @property
     def returns_usage_metadata(self) -> bool:
         return True
 

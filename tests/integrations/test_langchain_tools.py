@@ -60,9 +60,9 @@ def test_fallback_tool_prompt_on_a_template_without_tools():
 
     llm = ChatKVBoost(model="smollm2-135m-instruct", dtype="float32", max_tokens=48)
     tools = {"tools": [convert_to_openai_tool(add)], "tool_choice": "add"}
-    request, parser = llm._request([HumanMessage("Add 2 and 3.")], None, tools)
-    text = llm.engine.canonicalize(request.prompt).text
-    assert '"name": "add"' in text and "# Tools" in text and text.endswith(parser.text)
+    call = llm._call([HumanMessage("Add 2 and 3.")], None, tools)
+    text = llm.engine.canonicalize(call.request.prompt).text
+    assert '"name": "add"' in text and "# Tools" in text and text.endswith(call.parser.text)
     msg = llm.bind_tools([add], tool_choice="add").invoke("Add 2 and 3.")
     assert [c["name"] for c in msg.tool_calls] == ["add"] or msg.invalid_tool_calls
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel
@@ -122,10 +122,14 @@ class ChatKVBoost(BaseChatModel):
     @property
     def engine(self) -> KVBoostEngine:
         """The shared engine (loaded on first use)."""
+        return self._engine_of(self.model)
+
+    def _engine_of(self, model: str) -> KVBoostEngine:
+        """The shared engine of ``model`` with this chat model's dtype, device and store."""
         from kvboost_rag.shared import EngineSpec, shared_engine
 
         return shared_engine(
-            EngineSpec(self.model, self.dtype, self.device, self.store_dir, self.chunk_size, self.redis_url)
+            EngineSpec(model, self.dtype, self.device, self.store_dir, self.chunk_size, self.redis_url)
         )
 
     # -- generation --------------------------------------------------------------------------
@@ -148,14 +152,14 @@ class ChatKVBoost(BaseChatModel):
         forced_prefix(tool_choice, formatted)  # validates a named tool_choice now
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
-    def _request(
-        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[Request, ReplyParser]:
-        """The engine request, and the parser of its reply (which knows the offered tools)."""
+    def _call(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Call:
+        """What one call runs: its engine (``model=`` in the call picks another), request and parser."""
         from kvboost_rag.shared import request_for
 
-        prompt, parser = offer_tools(self.engine.canonicalizer, to_chat_messages(messages), kwargs)
-        return request_for(prompt, self, kwargs, stop=stop), parser
+        model = kwargs.pop("model", None) or self.model
+        engine = self._engine_of(model)
+        prompt, parser = offer_tools(engine.canonicalizer, to_chat_messages(messages), kwargs)
+        return _Call(model, engine, request_for(prompt, self, kwargs, stop=stop), parser)
 
     def _generate(
         self,
@@ -164,8 +168,8 @@ class ChatKVBoost(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        request, parser = self._request(messages, stop, kwargs)
-        return self._chat_result(self.engine.generate(request), parser)
+        call = self._call(messages, stop, kwargs)
+        return self._chat_result(call, call.engine.generate(call.request))
 
     async def _agenerate(
         self,
@@ -176,9 +180,8 @@ class ChatKVBoost(BaseChatModel):
     ) -> ChatResult:
         # Served by the engine's scheduler: concurrent calls share batches, the event loop stays
         # free, and cancelling the task stops the request at its next token.
-        engine = await asyncio.to_thread(lambda: self.engine)  # the first use loads the model
-        request, parser = self._request(messages, stop, kwargs)
-        return self._chat_result(await engine.agenerate(request), parser)
+        call = await asyncio.to_thread(self._call, messages, stop, kwargs)  # the first use loads the model
+        return self._chat_result(call, await call.engine.agenerate(call.request))
 
     def _stream(
         self,
@@ -187,11 +190,11 @@ class ChatKVBoost(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        request, parser = self._request(messages, stop, kwargs)
-        stream = self.engine.stream(request)
+        call = self._call(messages, stop, kwargs)
+        stream = call.engine.stream(call.request)
         try:
             for piece in stream:
-                chunk = self._chunk(piece, parser)
+                chunk = self._chunk(call, piece)
                 if run_manager is not None and chunk.text:
                     run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
@@ -207,25 +210,24 @@ class ChatKVBoost(BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         # Native: the engine hands each delta to the event loop as it comes out (no worker
         # thread per chunk); a consumer that stops or is cancelled stops the request.
-        engine = await asyncio.to_thread(lambda: self.engine)
-        request, parser = self._request(messages, stop, kwargs)
-        stream = engine.astream(request)
+        call = await asyncio.to_thread(self._call, messages, stop, kwargs)
+        stream = call.engine.astream(call.request)
         try:
             async for piece in stream:
-                chunk = self._chunk(piece, parser)
+                chunk = self._chunk(call, piece)
                 if run_manager is not None and chunk.text:
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
         finally:
             await stream.aclose()
 
-    def _chunk(self, piece: StreamChunk, parser: ReplyParser) -> ChatGenerationChunk:
+    def _chunk(self, call: _Call, piece: StreamChunk) -> ChatGenerationChunk:
         """A streamed piece as a chunk; the last one carries the tool calls, usage and metadata
         (calls that do not parse are left out of a stream; :meth:`invoke` reports them)."""
-        delta = parser.push(piece.text)
+        delta = call.parser.push(piece.text)
         if piece.result is None:
             return ChatGenerationChunk(message=AIMessageChunk(content=delta))
-        rest, reply = parser.finish()
+        rest, reply = call.parser.finish()
         message = AIMessageChunk(
             content=delta + rest,
             tool_call_chunks=[
@@ -233,15 +235,15 @@ class ChatKVBoost(BaseChatModel):
                 for i, c in enumerate(reply.calls)
             ],
             usage_metadata=_usage(piece.result),
-            response_metadata=self._response_metadata(piece.result, bool(reply.calls)),
+            response_metadata=_response_metadata(call.model, piece.result, bool(reply.calls)),
             chunk_position="last",
         )
         return ChatGenerationChunk(message=message)
 
-    def _chat_result(self, result: GenerationResult, parser: ReplyParser) -> ChatResult:
+    def _chat_result(self, call: _Call, result: GenerationResult) -> ChatResult:
         """The whole reply as one message: the same parser, fed the reply in one piece."""
-        parser.push(result.text)
-        _, reply = parser.finish()
+        call.parser.push(result.text)
+        _, reply = call.parser.finish()
         message = AIMessage(
             content=reply.content,
             tool_calls=[
@@ -252,17 +254,27 @@ class ChatKVBoost(BaseChatModel):
                 for c in reply.invalid
             ],
             usage_metadata=_usage(result),
-            response_metadata=self._response_metadata(result, bool(reply.calls)),
+            response_metadata=_response_metadata(call.model, result, bool(reply.calls)),
         )
         return ChatResult(generations=[ChatGeneration(message=message)])
 
-    def _response_metadata(self, result: GenerationResult, called_tools: bool = False) -> dict[str, Any]:
-        return {
-            "model_name": self.model,
-            "model_provider": "kvboost",
-            "finish_reason": "tool_calls" if called_tools else result.finish_reason,
-            "kvboost": result.reuse_report(),
-        }
+
+class _Call(NamedTuple):
+    """One call: the model it runs on, that model's engine, the request and its reply's parser."""
+
+    model: str
+    engine: KVBoostEngine
+    request: Request
+    parser: ReplyParser
+
+
+def _response_metadata(model: str, result: GenerationResult, called_tools: bool) -> dict[str, Any]:
+    return {
+        "model_name": model,
+        "model_provider": "kvboost",
+        "finish_reason": "tool_calls" if called_tools else result.finish_reason,
+        "kvboost": result.reuse_report(),
+    }
 
 
 def _usage(result: GenerationResult) -> UsageMetadata:
