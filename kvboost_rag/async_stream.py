@@ -1,11 +1,11 @@
-"""From the engine's blocking stream to asyncio: :class:`StreamBridge` and :class:`AsyncStream`.
+"""From the engine to asyncio: a request's items reach the event loop through a *feed*.
 
-The engine's stream is a plain iterator whose steps block (prefill, decode).
-:class:`StreamBridge` runs it on a thread of its own and hands each item to the event
-loop with ``call_soon_threadsafe``, so the loop never waits on a worker per item and the
-small default executor is not held by long streams. :class:`AsyncStream` (what
-:meth:`KVBoostEngine.astream <kvboost_rag.KVBoostEngine.astream>` returns) is the async
-iterator over a bridge that the adapters and the server use.
+:class:`ScheduledFeed` serves a request through the engine's batching scheduler and hands
+each delta to the loop by callback (``call_soon_threadsafe``) as its tokens come out of the
+shared step: no thread waits for it. :class:`StreamBridge` runs a blocking stream (a request
+alone in the calling thread, ``max_batch_size=1``) on a thread of its own and hands its
+items over the same way. :class:`AsyncStream` (what :meth:`KVBoostEngine.astream
+<kvboost_rag.KVBoostEngine.astream>` returns) is the async iterator over either.
 """
 
 from __future__ import annotations
@@ -13,13 +13,107 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import CancelledError
-from typing import Any, Final
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import wait as wait_futures
+from typing import Any, Final, Protocol
 
+from .errors import StreamOverflowError
 from .results import StreamChunk
 
 END: Final = object()
 """Queued after the last item, however the engine's stream ended."""
+
+
+class Feed(Protocol):
+    """What :class:`AsyncStream` reads: items on the loop's queue, ended by :data:`END`."""
+
+    queue: asyncio.Queue[Any]
+    """Stream chunks, an exception if the request failed, then :data:`END`."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None:
+        """Stop the request at its next layer or token (from any thread)."""
+        ...
+
+    @property
+    def stopped(self) -> bool: ...
+
+    def wait_done(self, timeout_s: float) -> None:
+        """Block until the request has let go of the model (or ``timeout_s`` passed)."""
+        ...
+
+
+class ScheduledFeed:
+    """A request served by the batching scheduler, its deltas handed to the loop by callback.
+
+    ``submit(on_delta)`` queues the request and returns its future; ``on_delta`` then runs on
+    the scheduler's thread with each piece of new text. A reader that falls more than
+    ``max_buffered`` items behind has its request stopped with
+    :class:`~kvboost_rag.errors.StreamOverflowError`: the batch never waits for one reader.
+    """
+
+    def __init__(
+        self,
+        submit: Callable[[Callable[[str], None]], Future],
+        loop: asyncio.AbstractEventLoop,
+        max_buffered: int,
+    ) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.loop = loop
+        self._submit = submit
+        self._max_buffered = max_buffered
+        self._future: Future | None = None
+        self._overflowed = False
+        self._stop_requested = False
+
+    def start(self) -> None:
+        self._future = self._submit(self._on_delta)
+        self._future.add_done_callback(self._on_done)
+
+    def stop(self) -> None:
+        self._stop_requested = True
+        if self._future is not None and not self._future.done():
+            self._future.cancel()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop_requested or self._overflowed
+
+    def wait_done(self, timeout_s: float) -> None:
+        if self._future is not None:
+            wait_futures([self._future], timeout_s)
+
+    def _hand_over(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _on_delta(self, text: str) -> None:  # on the scheduler's thread
+        if self._overflowed:
+            return
+        if self.queue.qsize() >= self._max_buffered:
+            self._overflowed = True
+            self.stop()
+            return
+        self._hand_over(StreamChunk(text))
+
+    def _on_done(self, future: Future) -> None:
+        if self._overflowed:
+            msg = (
+                f"the stream's reader fell behind by more than {self._max_buffered} deltas and the "
+                "request was stopped; read the stream as it comes, or raise "
+                "EngineConfig.stream_buffer_deltas"
+            )
+            self._hand_over(StreamOverflowError(msg))
+        elif future.cancelled():
+            self._hand_over(CancelledError())
+        elif (error := future.exception()) is not None:
+            self._hand_over(error)
+        else:
+            self._hand_over(StreamChunk("", future.result()))
+        self._hand_over(END)
 
 
 class StreamBridge:
@@ -61,6 +155,13 @@ class StreamBridge:
         if cancel is not None:
             cancel()
 
+    @property
+    def stopped(self) -> bool:
+        return self.cancel.is_set()
+
+    def wait_done(self, timeout_s: float) -> None:
+        self.thread.join(timeout_s)
+
     def _hand_over(self, item: Any) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -93,8 +194,9 @@ class StreamBridge:
 class AsyncStream(AsyncIterator[StreamChunk]):
     """Text deltas of one request for ``async for``, then a last item that carries its result.
 
-    The request is prepared on first use (or by :meth:`start`, which raises bad input before
-    anything is generated), off the event loop; leaving the loop early, :meth:`aclose`, or
+    ``open_feed(loop)`` prepares the request (in a worker thread: tokenization may take a
+    while) and returns its :class:`Feed`; that happens on first use, or at :meth:`start`, which
+    raises bad input before anything is generated. Leaving the loop early, :meth:`aclose`, or
     cancelling the reading task stops the request at its next layer or token.
 
     Example:
@@ -105,30 +207,30 @@ class AsyncStream(AsyncIterator[StreamChunk]):
             print(piece.result.usage)
     """
 
-    def __init__(self, open_steps: Callable[[], Iterator[StreamChunk]]) -> None:
-        self._open_steps = open_steps
-        self._bridge: StreamBridge | None = None
+    def __init__(self, open_feed: Callable[[asyncio.AbstractEventLoop], Feed]) -> None:
+        self._open_feed = open_feed
+        self.feed: Feed | None = None
+        """The request's feed, once started."""
         self._cancelled = False
         self._done = False
 
     async def start(self) -> None:
         """Prepare the request and start generating (bad input raises here)."""
-        if self._bridge is None and not self._cancelled:
-            steps = await asyncio.to_thread(self._open_steps)  # tokenization may take a while
-            self._bridge = StreamBridge(steps, asyncio.get_running_loop())
-            self._bridge.start()
+        if self.feed is None and not self._cancelled:
+            self.feed = await asyncio.to_thread(self._open_feed, asyncio.get_running_loop())
+            self.feed.start()
             if self._cancelled:  # cancelled while it was prepared
-                self._bridge.stop()
+                self.feed.stop()
 
     async def __anext__(self) -> StreamChunk:
         if self._done:
             raise StopAsyncIteration
         await self.start()
-        if self._bridge is None:
+        if self.feed is None:
             item: Any = END
         else:
             try:
-                item = await self._bridge.queue.get()
+                item = await self.feed.queue.get()
             except BaseException:  # the reading task was cancelled: so is the request
                 self.cancel()
                 raise
@@ -149,8 +251,8 @@ class AsyncStream(AsyncIterator[StreamChunk]):
         """Stop the request at its next layer or token (safe from any thread); reading on then raises
         ``concurrent.futures.CancelledError``."""
         self._cancelled = True
-        if self._bridge is not None:
-            self._bridge.stop()
+        if self.feed is not None:
+            self.feed.stop()
 
     async def aclose(self) -> None:
         """End the stream here; a request still running stops at its next layer or token."""

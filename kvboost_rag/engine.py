@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .assembler import Assembler
-from .async_stream import AsyncStream
+from .async_stream import AsyncStream, Feed, ScheduledFeed, StreamBridge
 from .canonical import Canonicalizer, CanonicalPrompt, PromptInput, Segment
 from .config import EngineConfig
 from .core import EngineCore, eos_ids, namespace_of
@@ -177,13 +177,22 @@ class KVBoostEngine:
         return ScheduledStream(self._submit, prepared, self.config.stream_buffer_deltas)
 
     def astream(self, prompt: PromptInput | Request, **settings: Any) -> AsyncStream:
-        """:meth:`stream` for asyncio: ``async for piece in engine.astream(...)``. Each delta is
-        handed to the event loop as it comes out; the loop never blocks. Bad input raises at the
-        first item (or at ``await stream.start()``); leaving the loop early, ``await
+        """:meth:`stream` for asyncio: ``async for piece in engine.astream(...)``. The request is
+        served by the batching scheduler and each delta is handed to the event loop as it comes
+        out, by callback: no thread waits for it, and the loop never blocks. Bad input raises at
+        the first item (or at ``await stream.start()``); leaving the loop early, ``await
         stream.aclose()`` or cancelling the reading task stops the request at its next layer or token.
         """
         request = Request.coerce(prompt, settings)
-        return AsyncStream(lambda: self.stream(request))
+
+        def open_feed(loop: asyncio.AbstractEventLoop) -> Feed:
+            prepared = self.generation.prepare(request, time.perf_counter())
+            if self.config.max_batch_size == 1:  # the request runs alone, on a thread of its own
+                return StreamBridge(CancellableStream(self.generation, prepared), loop)
+            submit = partial(self._submit, prepared)
+            return ScheduledFeed(submit, loop, self.config.stream_buffer_deltas)
+
+        return AsyncStream(open_feed)
 
     def submit(self, request: Request) -> Future[GenerationResult]:
         """Queue a request for the batching scheduler; returns a future of its result.

@@ -245,14 +245,14 @@ class LayerSpy:
             handle.remove()
 
 
-def record_streams(monkeypatch: Any, engine: Any) -> list:
-    """Make ``engine.stream`` keep every stream it opens, in order, to see how each one ended."""
+def record_astreams(monkeypatch: Any, engine: Any) -> list:
+    """Make ``engine.astream`` keep every stream it opens, in order, to see how each one ended."""
     opened: list = []
-    real_stream = engine.stream
+    real_astream = engine.astream
 
-    def stream(*args: Any, **kwargs: Any) -> Any:
-        opened.append(real_stream(*args, **kwargs))
+    def astream(*args: Any, **kwargs: Any) -> Any:
+        opened.append(real_astream(*args, **kwargs))
         return opened[-1]
 
-    monkeypatch.setattr(engine, "stream", stream)
+    monkeypatch.setattr(engine, "astream", astream)
     return opened

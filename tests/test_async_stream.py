@@ -56,9 +56,8 @@ async def test_stopping_the_reader_stops_the_prefill_at_the_next_layer(how):
 
     def in_layer_0() -> None:  # on the model's thread: hold the forward until the reader has stopped it
         loop.call_soon_threadsafe(entered.set)
-        assert stream._bridge is not None
         deadline = time.monotonic() + 60
-        while not stream._bridge.steps.cancelled and time.monotonic() < deadline:
+        while not (stream.feed is not None and stream.feed.stopped) and time.monotonic() < deadline:
             time.sleep(0.001)
 
     spy.cancel = in_layer_0
@@ -72,7 +71,7 @@ async def test_stopping_the_reader_stops_the_prefill_at_the_next_layer(how):
         task.cancel()
     with pytest.raises((CancelledError, asyncio.CancelledError)):
         await asyncio.wait_for(task, 60)
-    await asyncio.to_thread(lambda: stream._bridge.thread.join(60))
+    await asyncio.to_thread(stream.feed.wait_done, 60)
     assert spy.after == [0]  # layer 1 never ran
     spy.remove()
     assert engine.generate(PROMPT, max_new_tokens=3).usage.completion_tokens == 3  # the engine serves on

@@ -144,7 +144,10 @@ def test_astream_requests_join_the_batches_and_a_cancelled_reader_stops_only_its
             return text, result
 
         doomed = asyncio.create_task(collect(0, max_new_tokens=400))
-        done = await asyncio.gather(collect(1), collect(2), engine.agenerate(prompt(3), max_new_tokens=8))
+        readers = asyncio.gather(collect(1), collect(2), engine.agenerate(prompt(3), max_new_tokens=8))
+        await asyncio.sleep(0.5)  # the batch runs: the deltas come by callback, no thread per stream
+        assert not [t.name for t in threading.enumerate() if t.name == "kvboost-stream"]
+        done = await readers
         doomed.cancel()
         with pytest.raises(asyncio.CancelledError):
             await doomed
@@ -155,4 +158,22 @@ def test_astream_requests_join_the_batches_and_a_cancelled_reader_stops_only_its
     assert (t1, r1.token_ids) == (lone(1).text, lone(1).token_ids)
     assert (t2, r2.token_ids) == (lone(2).text, lone(2).token_ids)
     assert r3.token_ids == lone(3).token_ids
+    engine.close()
+
+
+def test_an_async_reader_that_never_reads_is_stopped_without_stalling_the_others():
+    engine = make_engine(batch_window_ms=300, stream_buffer_deltas=4)
+
+    async def main():
+        ignored = engine.astream(prompt(0), max_new_tokens=200)
+        await ignored.start()  # generating, never read while the others run
+        others = await asyncio.gather(*(engine.agenerate(prompt(i), max_new_tokens=8) for i in (1, 2)))
+        await asyncio.to_thread(ignored.feed.wait_done, 60)
+        with pytest.raises(StreamOverflowError, match="fell behind"):
+            async for _ in ignored:
+                pass
+        return others
+
+    others = asyncio.run(main())
+    assert [r.token_ids for r in others] == [lone(i).token_ids for i in (1, 2)]
     engine.close()

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("langchain_core")
 
-from helpers import essay_paragraphs, record_streams, run_while_ticking  # noqa: E402
+from helpers import essay_paragraphs, record_astreams, run_while_ticking  # noqa: E402
 from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
@@ -137,7 +137,7 @@ def test_astream_is_native_gives_the_invoke_text_and_stops_when_the_consumer_lea
     model = llm(max_tokens=24)
     messages = [HumanMessage("Write a short poem about the sea.")]
     whole = model.invoke(messages)
-    opened = record_streams(monkeypatch, model.engine)
+    opened = record_astreams(monkeypatch, model.engine)
 
     async def read_all():
         return [chunk async for chunk in model.astream(messages)]
@@ -156,7 +156,7 @@ def test_astream_is_native_gives_the_invoke_text_and_stops_when_the_consumer_lea
         return got
 
     asyncio.run(read_two())
-    assert opened[-1].cancelled  # the engine's stream was stopped, not left running
+    assert opened[-1].feed.stopped  # the engine's stream was stopped, not left running
 
 
 def test_stream_fires_one_callback_per_delta_and_marks_the_last_chunk():

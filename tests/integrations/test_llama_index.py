@@ -14,7 +14,7 @@ pytest.importorskip("llama_index.core")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-from helpers import essay_paragraphs, record_streams, run_while_ticking  # noqa: E402
+from helpers import essay_paragraphs, record_astreams, run_while_ticking  # noqa: E402
 from llama_index.core import Document, PromptTemplate, VectorStoreIndex, get_response_synthesizer  # noqa: E402
 from llama_index.core.callbacks import CallbackManager, TokenCountingHandler  # noqa: E402
 from llama_index.core.ingestion import IngestionCache, IngestionPipeline  # noqa: E402
@@ -358,7 +358,7 @@ def test_astream_chat_is_native_and_stops_when_the_consumer_leaves(monkeypatch):
     model = llm(max_new_tokens=24)
     messages = [ChatMessage(role="user", content="Write a short poem about the sea.")]
     whole = model.chat(messages)
-    opened = record_streams(monkeypatch, model.engine)
+    opened = record_astreams(monkeypatch, model.engine)
 
     async def read(limit: int | None):
         got = []
@@ -372,6 +372,6 @@ def test_astream_chat_is_native_and_stops_when_the_consumer_leaves(monkeypatch):
     assert responses[-1].message.content == whole.message.content
     assert "".join(r.delta or "" for r in responses) == whole.message.content
     assert ticks >= 0.3 * elapsed / 0.005, (ticks, elapsed)
-    assert not opened[-1].cancelled
+    assert not opened[-1].feed.stopped
     asyncio.run(read(2))
-    assert opened[-1].cancelled  # the engine's stream was stopped, not left running
+    assert opened[-1].feed.stopped  # the engine's stream was stopped, not left running
