@@ -33,24 +33,103 @@ class Feed(Protocol):
     def start(self) -> None: ...
 
     def stop(self) -> None:
-        """Stop the request at its next layer or token (from any thread)."""
+        """Stop the request at its next layer or token (from any thread; no effect once it ended)."""
         ...
 
     @property
-    def stopped(self) -> bool: ...
+    def stopped(self) -> bool:
+        """True once :meth:`stop` was called (or the reader fell too far behind)."""
+        ...
+
+    @property
+    def started(self) -> bool:
+        """True once the first item (a delta or the result) is out."""
+        ...
+
+    @property
+    def done(self) -> bool:
+        """True once the request has let go of the model."""
+        ...
 
     def wait_done(self, timeout_s: float) -> None:
         """Block until the request has let go of the model (or ``timeout_s`` passed)."""
         ...
 
 
-class ScheduledFeed:
-    """A request served by the batching scheduler, its deltas handed to the loop by callback.
+class Delivery:
+    """Hands the items of a request served by the batching scheduler to its reader, on the
+    scheduler's thread: each delta as a :class:`StreamChunk`, then a last chunk that carries the
+    result (or the error), then :data:`END`.
 
-    ``submit(on_delta)`` queues the request and returns its future; ``on_delta`` then runs on
-    the scheduler's thread with each piece of new text. A reader that falls more than
-    ``max_buffered`` items behind has its request stopped with
-    :class:`~kvboost_rag.errors.StreamOverflowError`: the batch never waits for one reader.
+    ``put(item)`` must not block: the batch never waits for a reader. Past ``max_buffered``
+    items that ``backlog()`` says are unread, the request is stopped and its reader gets
+    :class:`~kvboost_rag.errors.StreamOverflowError`.
+    """
+
+    def __init__(self, put: Callable[[Any], None], backlog: Callable[[], int], max_buffered: int) -> None:
+        self._put = put
+        self._backlog = backlog
+        self._max_buffered = max_buffered
+        self._future: Future | None = None
+        self._overflowed = False
+        self._stop_requested = False
+        self.started = False
+
+    def begin(self, submit: Callable[[Callable[[str], None]], Future]) -> None:
+        """Queue the request: ``submit(on_delta)`` returns its future."""
+        self._future = submit(self._on_delta)
+        self._future.add_done_callback(self._on_done)  # after the last delta, on the same thread
+
+    def stop(self) -> None:
+        self._stop_requested = True
+        if self._future is not None and not self._future.done():
+            self._future.cancel()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop_requested or self._overflowed
+
+    @property
+    def done(self) -> bool:
+        return self._future is not None and self._future.done()
+
+    def wait_done(self, timeout_s: float) -> None:
+        if self._future is not None:
+            wait_futures([self._future], timeout_s)
+
+    def _on_delta(self, text: str) -> None:
+        self.started = True
+        if self._overflowed:
+            return
+        if self._backlog() >= self._max_buffered:
+            self._overflowed = True
+            self.stop()
+            return
+        self._put(StreamChunk(text))
+
+    def _on_done(self, future: Future) -> None:
+        self.started = True
+        if self._overflowed:
+            msg = (
+                f"the stream's reader fell behind by more than {self._max_buffered} deltas and the "
+                "request was stopped; read the stream as it comes, or raise "
+                "EngineConfig.stream_buffer_deltas"
+            )
+            self._put(StreamOverflowError(msg))
+        elif future.cancelled():
+            self._put(CancelledError())
+        elif (error := future.exception()) is not None:
+            self._put(error)
+        else:
+            self._put(StreamChunk("", future.result()))
+        self._put(END)
+
+
+class ScheduledFeed(Delivery):
+    """A request served by the batching scheduler, its items handed to the event loop by callback
+    (``call_soon_threadsafe``) as its tokens come out of the shared step: no thread waits for it.
+
+    ``submit(on_delta)`` queues the request and returns its future (see :class:`Delivery`).
     """
 
     def __init__(
@@ -62,58 +141,16 @@ class ScheduledFeed:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.loop = loop
         self._submit = submit
-        self._max_buffered = max_buffered
-        self._future: Future | None = None
-        self._overflowed = False
-        self._stop_requested = False
+        super().__init__(self._hand_over, self.queue.qsize, max_buffered)
 
     def start(self) -> None:
-        self._future = self._submit(self._on_delta)
-        self._future.add_done_callback(self._on_done)
-
-    def stop(self) -> None:
-        self._stop_requested = True
-        if self._future is not None and not self._future.done():
-            self._future.cancel()
-
-    @property
-    def stopped(self) -> bool:
-        return self._stop_requested or self._overflowed
-
-    def wait_done(self, timeout_s: float) -> None:
-        if self._future is not None:
-            wait_futures([self._future], timeout_s)
+        self.begin(self._submit)
 
     def _hand_over(self, item: Any) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
-
-    def _on_delta(self, text: str) -> None:  # on the scheduler's thread
-        if self._overflowed:
-            return
-        if self.queue.qsize() >= self._max_buffered:
-            self._overflowed = True
-            self.stop()
-            return
-        self._hand_over(StreamChunk(text))
-
-    def _on_done(self, future: Future) -> None:
-        if self._overflowed:
-            msg = (
-                f"the stream's reader fell behind by more than {self._max_buffered} deltas and the "
-                "request was stopped; read the stream as it comes, or raise "
-                "EngineConfig.stream_buffer_deltas"
-            )
-            self._hand_over(StreamOverflowError(msg))
-        elif future.cancelled():
-            self._hand_over(CancelledError())
-        elif (error := future.exception()) is not None:
-            self._hand_over(error)
-        else:
-            self._hand_over(StreamChunk("", future.result()))
-        self._hand_over(END)
 
 
 class StreamBridge:
@@ -158,6 +195,10 @@ class StreamBridge:
     @property
     def stopped(self) -> bool:
         return self.cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self.thread.ident is not None and not self.thread.is_alive()
 
     def wait_done(self, timeout_s: float) -> None:
         self.thread.join(timeout_s)

@@ -15,16 +15,16 @@ import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from functools import partial
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
+from .async_stream import END, Delivery
 from .batch import BatchRow, RowOutput, run_batch
 from .blend import blend_prefill
 from .canonical import CanonicalPrompt, is_messages
 from .config import ReuseMode
 from .core import EngineCore
-from .errors import StreamOverflowError
 from .followups import FollowUps
 from .keys import Chunk, salted
 from .request import Request
@@ -98,62 +98,43 @@ class ScheduledStream(Iterator[StreamChunk]):
     """Text deltas of one request served by the batching scheduler, then a last item that carries
     its result (see :meth:`KVBoostEngine.stream`).
 
-    The request shares every decode step with the other requests running beside it; its deltas
-    are queued as its tokens come out, so a slow reader never holds the batch back. A reader that
-    falls more than ``max_buffered`` deltas behind has its request stopped
-    (:class:`~kvboost_rag.errors.StreamOverflowError`). :meth:`cancel`, from any thread, stops
-    the request at its next layer or token; the stream then raises ``CancelledError``.
+    The request shares every decode step with the other requests running beside it; its items
+    are queued as its tokens come out (:class:`~kvboost_rag.async_stream.Delivery`), so a slow
+    reader never holds the batch back, and one that falls more than ``max_buffered`` deltas
+    behind gets :class:`~kvboost_rag.errors.StreamOverflowError`. :meth:`cancel`, from any
+    thread, stops the request at its next layer or token; the stream then raises ``CancelledError``.
     """
 
     def __init__(
         self, submit: Callable[[Prepared, OnDelta], BatchFuture], prepared: Prepared, max_buffered: int
     ) -> None:
-        self._items: queue.SimpleQueue[str | Future] = queue.SimpleQueue()
-        self._max_buffered = max_buffered
-        self._overflowed = False
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._delivery = Delivery(self._items.put, self._items.qsize, max_buffered)
+        self._delivery.begin(partial(submit, prepared))
         self._done = False
-        self._future = submit(prepared, self._on_delta)
-        self._future.add_done_callback(self._items.put)  # after the last delta: the same thread
-
-    def _on_delta(self, text: str) -> None:  # on the scheduler's thread
-        if self._overflowed:
-            return
-        if self._items.qsize() >= self._max_buffered:
-            self._overflowed = True
-            self._future.cancel()
-            return
-        self._items.put(text)
 
     def __next__(self) -> StreamChunk:
         if self._done:
             raise StopIteration
         item = self._items.get()
-        if isinstance(item, str):
-            return StreamChunk(item)
-        self._done = True
-        if self._overflowed:
-            msg = (
-                f"the stream's reader fell behind by more than {self._max_buffered} deltas and the "
-                "request was stopped; read the stream as it comes, or raise "
-                "EngineConfig.stream_buffer_deltas"
-            )
-            raise StreamOverflowError(msg)
-        if item.cancelled():
-            raise CancelledError()
-        error = item.exception()
-        if error is not None:
-            raise error
-        return StreamChunk("", item.result())
+        if item is END:
+            self._done = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        chunk: StreamChunk = item
+        self._done = chunk.result is not None
+        return chunk
 
     def cancel(self) -> None:
         """Stop the request at its next layer or token (safe from any thread; no effect once it ended)."""
-        if not self._future.done():
-            self._future.cancel()
+        self._delivery.stop()
 
     @property
     def cancelled(self) -> bool:
         """True once :meth:`cancel` was called (or the reader fell too far behind)."""
-        return self._future.cancel_requested.is_set()
+        return self._delivery.stopped
 
     def close(self) -> None:
         """End the stream here; a request still running stops at its next layer or token."""

@@ -526,7 +526,8 @@ def test_timeouts_answer_504_and_stop_the_generation(engine, monkeypatch):
             messages, max_new_tokens=1
         )  # the scheduler is sequential: the cancelled one ran first
         wait_until(
-            lambda: not s.service.bridges and not s.service.admission.tickets, what="the stream to stop"
+            lambda: not s.service.running_streams and not s.service.admission.tickets,
+            what="the stream to stop",
         )
         assert decoded[0] < 50, "a timed-out request kept generating"
         aborts = scrape(s.url)[
@@ -549,7 +550,8 @@ def test_a_client_that_disconnects_stops_its_stream(served, monkeypatch):
         assert health.status_code == 200 and health.json()["in_flight"] == 1
         assert time.perf_counter() - t0 < 2.0  # the event loop stays free while the model works
     wait_until(
-        lambda: not served.service.bridges and not served.service.admission.tickets, what="the stream to stop"
+        lambda: not served.service.running_streams and not served.service.admission.tickets,
+        what="the stream to stop",
     )
     assert decoded[0] < 1500
     aborts = scrape(served.url)[
@@ -700,7 +702,7 @@ def test_fuzzed_requests_get_clean_answers_and_leave_the_server_well(engine, mon
                 with pytest.raises(httpx.TimeoutException):
                     httpx.post(f"{served.url}{url_path}", json=long_body | {"stream": stream}, timeout=0.5)
         wait_until(
-            lambda: not served.service.admission.tickets and not served.service.bridges,
+            lambda: not served.service.admission.tickets and not served.service.running_streams,
             timeout=60,
             what="abandoned requests to stop",
         )

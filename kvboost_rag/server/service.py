@@ -1,9 +1,9 @@
 """The state of one app and its request paths: admit, generate (whole or streamed), drain, shut down.
 
 Concurrency model: the event loop never runs model code. Every request is handed to
-the engine's batching scheduler (``engine.submit``, or ``engine.stream`` for streams), so
-concurrent requests, streamed or not, share batches. A stream's items reach the loop
-through :class:`~kvboost_rag.async_stream.StreamBridge`. Every generation
+the engine's batching scheduler (``engine.submit``, or ``engine.astream`` for streams), so
+concurrent requests, streamed or not, share batches; a stream's deltas reach the loop by
+callback as its tokens come out (:class:`~kvboost_rag.async_stream.ScheduledFeed`). Every generation
 request holds one admission ticket from arrival to its last byte.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Literal
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
-from ..async_stream import END, StreamBridge
+from ..async_stream import END, AsyncStream
 from ..engine import KVBoostEngine
 from ..errors import ContextWindowExceededError
 from ..request import Request
@@ -65,8 +65,7 @@ class Service:
         self.default_max_tokens = default_max_tokens
         self.shutdown_grace_s = shutdown_grace_s
         self.close_engine = close_engine
-        self.bridges: set[StreamBridge] = set()
-        """Streams whose thread is still running."""
+        self._streams: set[AsyncStream] = set()
         self.created = int(time.time())
         namespace = getattr(engine, "namespace", None)
         self.fingerprint = f"kv-{namespace[:16]}" if isinstance(namespace, str) else None
@@ -114,10 +113,11 @@ class Service:
             )
             for ticket in list(self.admission.tickets):
                 ticket.cancel()
-        for bridge in list(self.bridges):
-            bridge.stop()
-        for bridge in list(self.bridges):  # a stopped stream ends at its next layer or token
-            await asyncio.to_thread(bridge.thread.join, max(end - time.monotonic(), 0.0))
+        feeds = [stream.feed for stream in self.running_streams if stream.feed is not None]
+        for feed in feeds:
+            feed.stop()
+        for feed in feeds:  # a stopped stream ends at its next layer or token
+            await asyncio.to_thread(feed.wait_done, max(end - time.monotonic(), 0.0))
         if self.close_engine:
             # On a daemon thread: a close that outlives the grace period cannot hold the process.
             closing = threading.Thread(target=self.engine.close, name="kvboost-close", daemon=True)
@@ -199,6 +199,12 @@ class Service:
             "tokens (max_tokens), retry when the server is less busy, or raise --request-timeout-s"
         )
 
+    @property
+    def running_streams(self) -> list[AsyncStream]:
+        """Streams whose generation has not ended (a stopped one ends at its next layer or token)."""
+        self._streams = {s for s in self._streams if s.feed is not None and not s.feed.done}
+        return list(self._streams)
+
     async def _start_stream(
         self,
         http: HTTPRequest,
@@ -209,30 +215,31 @@ class Service:
         deadline: float,
     ) -> Response:
         # Validation and tokenization run here, so bad input is still a plain 400 (no stream has started).
-        steps = await asyncio.to_thread(self.engine.stream, request)
+        stream = self.engine.astream(request)
+        await stream.start()
+        feed = stream.feed
+        assert feed is not None
         loop = asyncio.get_running_loop()
-        bridge = StreamBridge(steps, loop, self.bridges.discard)
-        ticket.waiting = lambda: not bridge.started
-        ticket.cancel = bridge.stop
+        self._streams.add(stream)
+        ticket.waiting = lambda: not feed.started
+        ticket.cancel = feed.stop
         endpoint = str(http.url.path)
         outcome = {"finished": False}
 
         def on_close() -> None:
-            bridge.stop()
+            feed.stop()  # no effect on a stream that ended
             if not outcome["finished"]:
                 self.metrics.record_stream_abort(endpoint, "disconnect")
             self.admission.release(ticket)
 
         async def events() -> AsyncIterator[bytes]:
-            self.bridges.add(bridge)
-            bridge.start()
             if shaper.kind == "chat":
                 yield sse(shaper.chunk(role=True, with_usage_field=include_usage))
             while True:
                 try:
-                    item = await asyncio.wait_for(bridge.queue.get(), max(deadline - loop.time(), 0.0))
+                    item = await asyncio.wait_for(feed.queue.get(), max(deadline - loop.time(), 0.0))
                 except TimeoutError:
-                    bridge.stop()
+                    feed.stop()
                     outcome["finished"] = True
                     self.metrics.record_stream_abort(endpoint, "timeout")
                     yield sse(error_body(self._timeout_message(), "timeout_error", None, "request_timeout"))

@@ -15,6 +15,7 @@ pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient
 
+from kvboost_rag.async_stream import AsyncStream, StreamBridge
 from kvboost_rag.errors import ContextWindowExceededError
 from kvboost_rag.request import Request
 from kvboost_rag.results import GenerationResult, StreamChunk, Timings, Usage
@@ -55,6 +56,9 @@ class FakeEngine:
             raise self.refuse
         self.streamed.append(request)
         return iter([StreamChunk("Hello"), StreamChunk(" there", result())])
+
+    def astream(self, request: Request) -> AsyncStream:
+        return AsyncStream(lambda loop: StreamBridge(self.stream(request), loop))
 
     def stats(self) -> dict[str, Any]:
         return {"memory": {"entries": 3, "bytes": 100, "hits": 1, "misses": 2}}
