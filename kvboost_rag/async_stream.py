@@ -161,15 +161,10 @@ class StreamBridge:
     handed over.
 
     The queue receives each :class:`~kvboost_rag.results.StreamChunk`, then an exception if the
-    stream raised, then :data:`END`; ``on_exit`` runs on the loop once the thread is done.
+    stream raised, then :data:`END`.
     """
 
-    def __init__(
-        self,
-        steps: Iterator[StreamChunk],
-        loop: asyncio.AbstractEventLoop,
-        on_exit: Callable[[StreamBridge], None] | None = None,
-    ) -> None:
+    def __init__(self, steps: Iterator[StreamChunk], loop: asyncio.AbstractEventLoop) -> None:
         self.steps = steps
         self.loop = loop
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -178,7 +173,6 @@ class StreamBridge:
         """Set by :meth:`stop`: no item is handed over after it."""
         self.started = False
         """True once the first item (a delta or the result) is out."""
-        self._on_exit = on_exit
         self.thread = threading.Thread(target=self._pump, name="kvboost-stream", daemon=True)
 
     def start(self) -> None:
@@ -225,11 +219,6 @@ class StreamBridge:
                     close()  # a generator left half-way stops here, releasing what it holds
             finally:
                 self._hand_over(END)
-                if self._on_exit is not None:
-                    try:
-                        self.loop.call_soon_threadsafe(self._on_exit, self)
-                    except RuntimeError:
-                        pass
 
 
 class AsyncStream(AsyncIterator[StreamChunk]):

@@ -26,7 +26,7 @@ from typing import Any
 
 from .canonical import Canonicalizer, Segment
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPEN = "<tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 FALLBACK_PROMPT = """# Tools

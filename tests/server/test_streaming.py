@@ -23,15 +23,13 @@ async def drain(bridge: StreamBridge) -> list[Any]:
     return items
 
 
-async def test_items_arrive_in_order_then_end_and_on_exit_runs_on_the_loop():
-    exited: list[StreamBridge] = []
-    loop = asyncio.get_running_loop()
-    bridge = StreamBridge(iter([StreamChunk("a"), StreamChunk("b")]), loop, exited.append)
+async def test_items_arrive_in_order_then_end_and_the_bridge_is_done():
+    bridge = StreamBridge(iter([StreamChunk("a"), StreamChunk("b")]), asyncio.get_running_loop())
+    assert not bridge.done
     bridge.start()
     assert [c.text for c in await drain(bridge)] == ["a", "b"]
-    await asyncio.to_thread(bridge.thread.join, 10)
-    await asyncio.sleep(0)  # on_exit was scheduled on the loop
-    assert exited == [bridge] and bridge.started
+    await asyncio.to_thread(bridge.wait_done, 10)
+    assert bridge.done and bridge.started
 
 
 async def test_an_error_in_the_stream_is_handed_over():
@@ -39,7 +37,7 @@ async def test_an_error_in_the_stream_is_handed_over():
         yield StreamChunk("a")
         raise RuntimeError("out of memory")
 
-    bridge = StreamBridge(failing(), asyncio.get_running_loop(), lambda _: None)
+    bridge = StreamBridge(failing(), asyncio.get_running_loop())
     bridge.start()
     items = await drain(bridge)
     assert items[0].text == "a" and isinstance(items[1], RuntimeError)
@@ -56,7 +54,7 @@ async def test_cancel_stops_and_closes_the_engine_stream():
         finally:
             closed.set()
 
-    bridge = StreamBridge(endless(), asyncio.get_running_loop(), lambda _: None)
+    bridge = StreamBridge(endless(), asyncio.get_running_loop())
     bridge.cancel.set()
     bridge.start()
     step.set()
