@@ -32,6 +32,8 @@ WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
     "ttft": (["ttft.py"], ["ttft.py", "--quick"]),
     # a fresh process reading the disk tier at 2K and 8K tokens, the floor, pre-warm throughput
     "disk_ttft": (["disk_ttft.py"], ["disk_ttft.py", "--quick"]),
+    # disk-tier TTFT with and without a store secret (signed entries), side by side
+    "signed_store": (["signed_store.py"], ["signed_store.py", "--quick"]),
     # flat prompts sharing a prefix of 300/700/1500 tokens; a pre-warmed document in a flat prompt
     "prefix_reuse": (["prefix_reuse.py"], ["prefix_reuse.py", "--quick"]),
     # ShareGPT conversations, turns 1-8

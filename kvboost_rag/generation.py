@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError
 from functools import partial
 from typing import Any, NamedTuple, cast
 
@@ -185,9 +185,7 @@ class Generation:
             else:
                 prepared.append((i, ready))
         hooks = [
-            Hooks(
-                pending[i].future.cancel_requested, pending[i].on_delta, partial(_settle, pending[i].future)
-            )
+            Hooks(pending[i].future.cancel_requested, pending[i].on_delta, pending[i].future.settle)
             for i, _ in prepared
         ]
         ran = self.run_all([p for _, p in prepared], hooks)
@@ -213,10 +211,15 @@ class Generation:
         together = [i for i in range(len(prepared)) if i not in alone]
         outcomes: list[GenerationResult | BaseException | None] = [None] * len(prepared)
         for i in alone:
+            outcome: Outcome
             try:
-                outcomes[i] = self.solo(prepared[i], hooks[i].cancel, hooks[i].on_delta)
+                outcome = self.solo(prepared[i], hooks[i].cancel, hooks[i].on_delta)
             except Exception as e:
-                outcomes[i] = e
+                outcome = e
+            outcomes[i] = outcome
+            on_outcome = hooks[i].on_outcome
+            if on_outcome is not None:  # its caller need not wait for the batch that follows
+                on_outcome(outcome)
         if together:
             try:
                 batch = self.batch([prepared[i] for i in together], [hooks[i] for i in together])
@@ -432,16 +435,6 @@ class Generation:
             reusable=chunked,
             stop=cancel,
         )
-
-
-def _settle(future: Future, outcome: Outcome) -> None:
-    """Complete a scheduler future now (the scheduler leaves futures already done as they are)."""
-    if future.done():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
 
 
 def _result(

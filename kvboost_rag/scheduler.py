@@ -35,6 +35,15 @@ class BatchFuture(Future, Generic[T]):
         self.cancel_requested.set()
         return super().cancel()
 
+    def settle(self, outcome: T | BaseException) -> None:
+        """Complete with a result, or with an exception, unless already done."""
+        if self.done():
+            return
+        if isinstance(outcome, BaseException):
+            self.set_exception(outcome)
+        else:
+            self.set_result(outcome)
+
 
 @dataclass
 class Pending(Generic[R]):
@@ -108,9 +117,4 @@ class Scheduler(Generic[R]):
             except BaseException as e:  # a bug in the batch path: fail these requests, keep serving
                 outcomes = [e] * len(live)
             for pending, outcome in zip(live, outcomes, strict=True):
-                if pending.future.done():  # settled as its row left the batch
-                    continue
-                if isinstance(outcome, BaseException):
-                    pending.future.set_exception(outcome)
-                else:
-                    pending.future.set_result(outcome)
+                pending.future.settle(outcome)  # most were settled as their rows ended

@@ -175,14 +175,14 @@ def _loads(raw: str) -> Any:
     """JSON, or where that fails, JSON with unescaped quotes inside strings repaired."""
     try:
         return json.loads(raw)
-    except ValueError:
+    except ValueError as error:
         repaired = _escape_inner_quotes(raw)
-        if repaired == raw:
-            raise
-        try:
-            return json.loads(repaired)
-        except ValueError:
-            return json.loads(raw)  # report the error of what the model wrote
+        if repaired != raw:
+            try:
+                return json.loads(repaired)
+            except ValueError:
+                pass
+        raise error  # the error of what the model wrote
 
 
 def parse(text: str, names: set[str] | None = None) -> Reply:
@@ -270,6 +270,11 @@ class ReplyParser:
             return ""
         # trailing whitespace waits too: a call that follows would be cut from the content with it
         return self._show(self.text[: _content_safe_length(self.text)].rstrip())
+
+    def whole(self, text: str) -> Reply:
+        """The reply when it comes in one piece (not streamed)."""
+        self.push(text)
+        return self.finish()[1]
 
     def finish(self) -> tuple[str, Reply]:
         """The content not yet returned by :meth:`push`, and the whole reply."""

@@ -177,3 +177,15 @@ def test_an_async_reader_that_never_reads_is_stopped_without_stalling_the_others
     others = asyncio.run(main())
     assert [r.token_ids for r in others] == [lone(i).token_ids for i in (1, 2)]
     engine.close()
+
+
+def test_a_request_gets_its_result_as_it_ends_not_when_its_batch_does():
+    engine = make_engine(batch_window_ms=300)
+    long = engine.submit(Request(prompt(0), max_new_tokens=400))
+    short = engine.submit(Request(prompt(1), max_new_tokens=8))
+    alone = engine.submit(Request(prompt(2), max_new_tokens=8, reuse="blend"))  # runs alone, first
+    assert short.result(timeout=120).token_ids == lone(1).token_ids
+    assert alone.result(timeout=120).usage.completion_tokens <= 8
+    assert not long.done()  # still decoding: the others did not wait for it
+    long.cancel()
+    engine.close()

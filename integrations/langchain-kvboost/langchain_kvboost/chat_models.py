@@ -242,8 +242,7 @@ class ChatKVBoost(BaseChatModel):
 
     def _chat_result(self, call: _Call, result: GenerationResult) -> ChatResult:
         """The whole reply as one message: the same parser, fed the reply in one piece."""
-        call.parser.push(result.text)
-        _, reply = call.parser.finish()
+        reply = call.parser.whole(result.text)
         message = AIMessage(
             content=reply.content,
             tool_calls=[

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from llama_index.core.base.llms.types import (
@@ -159,8 +159,7 @@ class KVBoost(FunctionCallingLLM):
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         request, parser = self._chat_request(messages, kwargs)
         result = self.engine.generate(request)
-        parser.push(result.text)
-        return _chat_response(result, parser.finish()[1])
+        return _chat_response(result, parser.whole(result.text))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -190,8 +189,11 @@ class KVBoost(FunctionCallingLLM):
         stream = self.engine.stream(request)
 
         def responses() -> CompletionResponseGen:
+            text = ""
             try:
-                yield from _completions(stream)
+                for piece in stream:
+                    text += piece.text
+                    yield _completion(text, piece)
             finally:
                 stream.close()
 
@@ -206,8 +208,7 @@ class KVBoost(FunctionCallingLLM):
         engine = await self._aengine()
         request, parser = self._chat_request(messages, kwargs)
         result = await engine.agenerate(request)
-        parser.push(result.text)
-        return _chat_response(result, parser.finish()[1])
+        return _chat_response(result, parser.whole(result.text))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
@@ -352,13 +353,6 @@ def _chat_delta(piece: StreamChunk, parser: ReplyParser, content: str) -> tuple[
     response = _chat_response(piece.result, reply)
     response.delta = delta + rest
     return response, content + delta + rest
-
-
-def _completions(pieces: Iterator[StreamChunk]) -> Iterator[CompletionResponse]:
-    text = ""
-    for piece in pieces:
-        text += piece.text
-        yield _completion(text, piece)
 
 
 def _completion(text: str, piece: StreamChunk) -> CompletionResponse:
