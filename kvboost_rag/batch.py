@@ -1,17 +1,23 @@
-"""Batched generation: shared prefixes come from the store, last chunks and decoding run as one batch.
+"""Batched generation: rows decode together, and new rows join between decode steps.
 
 Every request's prompt except its last chunk is prefilled over the canonical
 schedule, one request after another, through the store: a prefix that several
 requests share is computed by the first and read by the others, and everything
 stored keeps the exact bits of the unbatched path. The last chunks (typically
-the distinct questions) then run as one padded forward, and decoding advances
-all rows together, each with its own sampling and stopping; a finished row
-leaves the batch.
+the distinct questions) of the rows admitted together then run as one padded
+forward, and decoding advances all running rows together, each with its own
+sampling and stopping. A finished row leaves at once; rows admitted later
+(:meth:`RunningBatch.admit` between two :meth:`RunningBatch.step` calls) join
+the next step.
 
 Batch cache layout (slots; each row's positions are its own):
 
     [ prefix (row i: P_i tokens, zeros to P) | suffix (row i: right-aligned, s_i tokens) | decoded ]
       0 ............................... P      P ............................... P + S     P + S + t
+
+Rows admitted later bring a cache of that layout of their own; it is laid beside the running
+rows', the shorter of the two padded with masked zero slots, so that every row's next token
+again goes to one common slot.
 
 A prefix that every row shares (the same leading chunks) is kept once, outside
 these slots, and every row attends to it first (``chunk_attention.SHARED_PREFIX_NAME``).
@@ -28,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import Cache
 
 from .assembler import Assembler
 from .request import Request
@@ -68,104 +75,159 @@ class RowOutput:
     """What ended the row, when ``finish_reason`` is ``error``."""
 
 
-def run_batch(
-    assembler: Assembler,
-    tokenizer: object,
-    rows: Sequence[BatchRow],
-    eos_ids: frozenset[int],
-    prefill_lock: threading.Lock,
-    shared_tokens: int = 0,
-) -> list[RowOutput]:
-    """Prefill the rows' last chunks as one batch over their prefixes, then decode all rows together.
+@dataclass
+class _Running:
+    """A row between its admission and its end."""
+
+    row: BatchRow
+    stream: TextStream
+    generator: torch.Generator | None
+    first_logits: torch.Tensor
+    emitted: int = 0
+    first_token_at: float = 0.0
+
+
+class RunningBatch:
+    """Rows that decode together; :meth:`admit` adds rows, :meth:`step` advances every row by a token.
 
     ``shared_tokens``: how many leading prompt tokens every row's prefix holds identically (whole
-    chunks with the same keys); where the assembler can, they are kept once for all rows.
-    ``prefill_lock`` is held for the batched prefill only, as for a lone request.
+    chunks with the same keys), this batch's rows and those admitted later alike; where the
+    assembler can, they are kept once for all rows. ``prefill_lock`` is held for each admission's
+    batched prefill only, as for a lone request.
     """
-    device = assembler.device
-    count = len(rows)
-    skip = shared_tokens if count > 1 and assembler.shares_prefixes else 0
-    first_prefix = rows[0].prefix
-    shared = assembler.shared_prefix(first_prefix.cache, skip) if skip and first_prefix is not None else None
-    width = max(r.prefix_tokens for r in rows) - skip  # P: each row's own prefix slots
-    suffixes = [r.token_ids[r.prefix_tokens :] for r in rows]
-    span = max(len(s) for s in suffixes)  # S
-    capacity = width + span + max(r.max_new_tokens for r in rows)
-    prefixes = [(r.prefix.cache if r.prefix else None, r.prefix_tokens) for r in rows]
-    cache = assembler.batch_cache(prefixes, capacity, skip)
 
-    # valid[b, slot]: row b may attend to this slot (prefix and suffix pads are False)
-    valid = torch.zeros(count, width + span, dtype=torch.bool, device=device)
-    ids = torch.zeros(count, span, dtype=torch.long, device=device)
-    positions = torch.zeros(count, span, dtype=torch.long, device=device)
-    for b, (row, suffix) in enumerate(zip(rows, suffixes, strict=True)):
-        valid[b, : row.prefix_tokens - skip] = True
-        pad = span - len(suffix)
-        valid[b, width + pad :] = True
-        ids[b, pad:] = torch.tensor(suffix, dtype=torch.long)
-        positions[b, pad:] = torch.arange(row.prefix_tokens, len(row.token_ids))
-    slots = torch.arange(width + span, device=device)
-    query_slots = slots[width:].unsqueeze(1)  # [S, 1]
-    causal = slots.unsqueeze(0) <= query_slots  # [S, P + S]
-    own = slots.unsqueeze(0) == query_slots
-    mask = (valid.unsqueeze(1) & causal) | own  # [rows, S, P + S]
-    with prefill_lock:
-        logits = assembler.forward_rows(cache, ids, positions, mask.unsqueeze(1), shared)  # [rows, vocab]
+    def __init__(
+        self,
+        assembler: Assembler,
+        tokenizer: object,
+        eos_ids: frozenset[int],
+        prefill_lock: threading.Lock,
+        shared_tokens: int = 0,
+    ) -> None:
+        self._assembler = assembler
+        self._tokenizer = tokenizer
+        self._eos_ids = eos_ids
+        self._prefill_lock = prefill_lock
+        self.shared_tokens = shared_tokens if assembler.shares_prefixes else 0
+        """Leading prompt tokens kept once for all rows (0: none)."""
+        self._shared: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._running: list[_Running] = []  # in batch row order
+        self._cache: Cache | None = None
+        self._valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, slots]: the row may attend to the slot
+        self._next_position = torch.zeros(0, dtype=torch.long)  # [rows]
+        self._logits = torch.zeros(0)  # [rows, vocab]: what each row's next token is chosen from
 
-    first_logits = logits.clone()
-    streams = [TextStream(tokenizer, r.request.stop_strings) for r in rows]
-    generators = [r.request.generator(logits.device) for r in rows]
-    outputs: list[RowOutput | None] = [None] * count
-    first_token_at = [0.0] * count
+    def __len__(self) -> int:
+        return len(self._running)
 
-    def leave(i: int, reason: str, error: Exception | None = None) -> None:
-        stream = streams[i]
-        out = RowOutput(stream.text, list(stream.ids), reason, first_logits[i], first_token_at[i], error)
-        outputs[i] = out
-        on_finish = rows[i].on_finish
-        if on_finish is not None:
-            on_finish(out)
+    def admit(self, rows: Sequence[BatchRow]) -> None:
+        """Prefill the rows' last chunks as one batch over their prefixes; they take part from the
+        next :meth:`step` on. Each row's prefix must hold the batch's ``shared_tokens``."""
+        if not rows:
+            return
+        assembler, device, skip = self._assembler, self._assembler.device, self.shared_tokens
+        if skip and self._shared is None:
+            first = rows[0].prefix
+            assert first is not None  # shared tokens lie in a prefix
+            self._shared = assembler.shared_prefix(first.cache, skip)
+        width = max(r.prefix_tokens for r in rows) - skip  # P: each row's own prefix slots
+        suffixes = [r.token_ids[r.prefix_tokens :] for r in rows]
+        span = max(len(s) for s in suffixes)  # S
+        capacity = width + span + max(r.max_new_tokens for r in rows)
+        prefixes = [(r.prefix.cache if r.prefix else None, r.prefix_tokens) for r in rows]
+        cache = assembler.batch_cache(prefixes, capacity, skip)
 
-    next_position = torch.tensor([len(r.token_ids) for r in rows], device=device)
-    active = list(range(count))  # request index of each live batch row
-    step = 0
-    while True:
-        chosen, keep = [], []
-        for b, i in enumerate(active):
-            row, stream = rows[i], streams[i]
+        valid = torch.zeros(len(rows), width + span, dtype=torch.bool, device=device)
+        ids = torch.zeros(len(rows), span, dtype=torch.long, device=device)
+        positions = torch.zeros(len(rows), span, dtype=torch.long, device=device)
+        for b, (row, suffix) in enumerate(zip(rows, suffixes, strict=True)):
+            if row.prefix_tokens < skip:
+                msg = f"a row's prefix holds {row.prefix_tokens} tokens, fewer than the {skip} shared ones"
+                raise ValueError(msg)
+            valid[b, : row.prefix_tokens - skip] = True
+            pad = span - len(suffix)
+            valid[b, width + pad :] = True
+            ids[b, pad:] = torch.tensor(suffix, dtype=torch.long)
+            positions[b, pad:] = torch.arange(row.prefix_tokens, len(row.token_ids))
+        slots = torch.arange(width + span, device=device)
+        query_slots = slots[width:].unsqueeze(1)  # [S, 1]
+        causal = slots.unsqueeze(0) <= query_slots  # [S, P + S]
+        own = slots.unsqueeze(0) == query_slots
+        mask = (valid.unsqueeze(1) & causal) | own  # [rows, S, P + S]
+        with self._prefill_lock:
+            logits = assembler.forward_rows(cache, ids, positions, mask.unsqueeze(1), self._shared)
+
+        joined = [
+            _Running(
+                r, TextStream(self._tokenizer, r.request.stop_strings), r.request.generator(device), first
+            )
+            for r, first in zip(rows, logits.clone(), strict=True)
+        ]
+        next_position = torch.tensor([len(r.token_ids) for r in rows], device=device)
+        if self._cache is None:
+            self._cache, self._valid, self._next_position, self._logits = cache, valid, next_position, logits
+        else:  # beside the running rows: both padded to the longer slot count
+            slots_now = max(self._valid.shape[1], valid.shape[1])
+            assembler.join_rows(self._cache, cache)
+            self._valid = torch.cat([_pad_slots(self._valid, slots_now), _pad_slots(valid, slots_now)])
+            self._next_position = torch.cat([self._next_position, next_position])
+            self._logits = torch.cat([self._logits, logits])
+        self._running.extend(joined)
+
+    def step(self) -> bool:
+        """Choose every row's next token, let finished rows leave, and run one decode forward over the
+        rest; False once no row is left."""
+        chosen: list[int] = []
+        keep: list[int] = []
+        for b, run in enumerate(self._running):
+            row, stream = run.row, run.stream
             if row.cancelled is not None and row.cancelled.is_set():
-                leave(i, "cancelled")
+                self._leave(run, "cancelled")
                 continue
             try:
-                token = select_token(logits[b], row.request, generators[i])
+                token = select_token(self._logits[b], row.request, run.generator)
             except Exception as e:  # this row alone fails; the others go on
-                leave(i, "error", e)
+                self._leave(run, "error", e)
                 continue
-            if step == 0:
-                first_token_at[i] = time.perf_counter()
+            if run.emitted == 0:
+                run.first_token_at = time.perf_counter()
+            run.emitted += 1
             delta = stream.push(token)
-            ends = token in eos_ids or stream.stopped or step + 1 >= row.max_new_tokens
+            ends = token in self._eos_ids or stream.stopped or run.emitted >= row.max_new_tokens
             if ends:
                 delta += stream.finish()
             if delta and row.on_delta is not None:
                 row.on_delta(delta)
             if ends:
-                leave(i, "length" if token not in eos_ids and not stream.stopped else "stop")
+                self._leave(run, "length" if token not in self._eos_ids and not stream.stopped else "stop")
                 continue
             chosen.append(token)
             keep.append(b)
         if not keep:
-            break
-        if len(keep) < len(active):
-            index = torch.tensor(keep, device=device)
-            assembler.keep_rows(cache, index)
-            valid, next_position = valid.index_select(0, index), next_position.index_select(0, index)
-            active = [active[b] for b in keep]
-        valid = torch.cat([valid, valid.new_ones(len(active), 1)], dim=1)
-        tokens = torch.tensor(chosen, device=device).unsqueeze(1)
-        logits = assembler.forward_rows(
-            cache, tokens, next_position.unsqueeze(1), valid[:, None, None, :], shared
+            self._running, self._cache = [], None  # the buffers go now, not with the batch object
+            return False
+        assert self._cache is not None  # rows are running
+        if len(keep) < len(self._running):
+            index = torch.tensor(keep, device=self._valid.device)
+            self._assembler.keep_rows(self._cache, index)
+            self._valid = self._valid.index_select(0, index)
+            self._next_position = self._next_position.index_select(0, index)
+            self._running = [self._running[b] for b in keep]
+        self._valid = torch.cat([self._valid, self._valid.new_ones(len(keep), 1)], dim=1)
+        tokens = torch.tensor(chosen, device=self._valid.device).unsqueeze(1)
+        self._logits = self._assembler.forward_rows(
+            self._cache, tokens, self._next_position.unsqueeze(1), self._valid[:, None, None, :], self._shared
         )
-        next_position += 1
-        step += 1
-    return [o for o in outputs if o is not None]
+        self._next_position += 1
+        return True
+
+    def _leave(self, run: _Running, reason: str, error: Exception | None = None) -> None:
+        stream = run.stream
+        out = RowOutput(stream.text, list(stream.ids), reason, run.first_logits, run.first_token_at, error)
+        if run.row.on_finish is not None:
+            run.row.on_finish(out)
+
+
+def _pad_slots(valid: torch.Tensor, slots: int) -> torch.Tensor:
+    """``valid`` ``[rows, s]`` widened to ``[rows, slots]`` with masked (False) slots."""
+    return torch.cat([valid, valid.new_zeros(valid.shape[0], slots - valid.shape[1])], dim=1)

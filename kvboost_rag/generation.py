@@ -3,7 +3,8 @@
 A request is first *prepared* (checked, canonicalized, fitted to the context window),
 so bad input fails before any work and alone. Prepared requests then run alone when
 they are alone or cannot share a batch (blend mode, sliding windows), else together
-(:func:`~kvboost_rag.batch.run_batch`). Either way the result is built by :func:`_result`.
+(:class:`DecodingBatch`), and requests that arrive meanwhile join the batch between its
+decode steps. Either way the result is built by :func:`_result`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from .async_stream import END, Delivery
-from .batch import BatchRow, RowOutput, run_batch
+from .batch import BatchRow, RowOutput, RunningBatch
 from .blend import blend_prefill
 from .canonical import CanonicalPrompt, is_messages
 from .config import ReuseMode
@@ -30,7 +31,7 @@ from .keys import Chunk, salted
 from .request import Request
 from .results import FinishReason, GenerationResult, StreamChunk, Timings, Usage
 from .runner import PrefillOutcome, decode, holding_writes
-from .scheduler import BatchFuture, Pending
+from .scheduler import Arrivals, BatchFuture, Pending
 from .textstream import TextStream
 from .warming import store_reply
 
@@ -165,69 +166,95 @@ class Generation:
         max_new = core.room_for(len(canonical), request.max_new_tokens)
         return Prepared(request, canonical, mode, max_new, submitted_at)
 
-    def serve(self, pending: Sequence[Pending[Request | Prepared]]) -> list[GenerationResult | BaseException]:
-        """Scheduler callback: prepare each request (streams come prepared), isolating bad input, then
-        run them together; a stream's ``on_delta`` gets its text as its tokens come out.
+    def serve(
+        self, pending: Sequence[Pending[Request | Prepared]], arrivals: Arrivals[Request | Prepared]
+    ) -> None:
+        """Scheduler callback: prepare each request (streams come prepared), isolating bad input, and
+        run them together; between decode steps, requests from ``arrivals`` join. Every request's
+        future is settled as it ends; a stream's ``on_delta`` gets its text as its tokens come out.
 
         A request cancelled (or timed out) while it is prepared runs no further.
         """
-        outcomes: list[GenerationResult | BaseException | None] = [None] * len(pending)
-        prepared: list[tuple[int, Prepared]] = []
-        for i, p in enumerate(pending):
+        with self.followups.activity():
+            batch = self._open(self._ready(pending))
+            while batch is not None and batch.step():
+                joining = arrivals.take(self.core.config.max_batch_size - len(batch))
+                if joining:
+                    refused = {id(prepared) for prepared in batch.admit(self._ready(joining))}
+                    arrivals.hand_back([p for p in joining if id(p.request) in refused])
+
+    def _ready(self, pending: Sequence[Pending[Request | Prepared]]) -> list[tuple[Prepared, Hooks]]:
+        """Prepare scheduled requests; those that fail or were cancelled meanwhile are settled here.
+
+        Each pending request keeps its prepared form (a request handed back is not prepared again).
+        """
+        ready = []
+        for p in pending:
             try:
                 item = p.request
-                ready = item if isinstance(item, Prepared) else self.prepare(item, p.submitted_at)
+                prepared = item if isinstance(item, Prepared) else self.prepare(item, p.submitted_at)
             except Exception as e:
-                outcomes[i] = e
+                p.future.settle(e)
                 continue
             if p.future.cancel_requested.is_set():
-                outcomes[i] = CancelledError()
-            else:
-                prepared.append((i, ready))
-        hooks = [
-            Hooks(pending[i].future.cancel_requested, pending[i].on_delta, pending[i].future.settle)
-            for i, _ in prepared
-        ]
-        ran = self.run_all([p for _, p in prepared], hooks)
-        for (i, _), outcome in zip(prepared, ran, strict=True):
-            outcomes[i] = outcome
-        return outcomes  # type: ignore[return-value]
+                p.future.settle(CancelledError())
+                continue
+            p.request = prepared
+            ready.append((prepared, Hooks(p.future.cancel_requested, p.on_delta, p.future.settle)))
+        return ready
 
     def run_all(
         self, prepared: list[Prepared], hooks: Sequence[Hooks] | None = None
     ) -> list[GenerationResult | BaseException]:
-        """Run prepared requests: alone when there is one (the exact solo path), else as a batch.
+        """Run prepared requests to their ends: alone when there is one (the exact solo path), else as
+        a batch; outcomes come back in order."""
+        outcomes: list[Outcome | None] = [None] * len(prepared)
+        given = list(hooks) if hooks is not None else [Hooks()] * len(prepared)
 
-        Requests that cannot reuse chunks (sliding-window models beyond the window) and
-        blend requests run alone.
-        """
-        hooks = list(hooks) if hooks is not None else [Hooks()] * len(prepared)
-        blocker = self.core.assembler.exact_reuse_blocker
-        alone = [
-            i
-            for i, p in enumerate(prepared)
-            if len(prepared) == 1 or p.mode == "blend" or blocker(len(p.canonical) + p.max_new_tokens)
-        ]
-        together = [i for i in range(len(prepared)) if i not in alone]
-        outcomes: list[GenerationResult | BaseException | None] = [None] * len(prepared)
-        for i in alone:
-            outcome: Outcome
-            try:
-                outcome = self.solo(prepared[i], hooks[i].cancel, hooks[i].on_delta)
-            except Exception as e:
-                outcome = e
+        def record(i: int, outcome: Outcome) -> None:
             outcomes[i] = outcome
-            on_outcome = hooks[i].on_outcome
-            if on_outcome is not None:  # its caller need not wait for the batch that follows
+            on_outcome = given[i].on_outcome
+            if on_outcome is not None:
                 on_outcome(outcome)
-        if together:
-            try:
-                batch = self.batch([prepared[i] for i in together], [hooks[i] for i in together])
-            except Exception as e:  # e.g. out of memory: these requests fail, the others stand
-                batch = [e] * len(together)
-            for i, outcome in zip(together, batch, strict=True):
-                outcomes[i] = outcome
+
+        items = [
+            (p, h._replace(on_outcome=partial(record, i)))
+            for i, (p, h) in enumerate(zip(prepared, given, strict=True))
+        ]
+        with self.followups.activity():
+            batch = self._open(items)
+            while batch is not None and batch.step():
+                pass
         return outcomes  # type: ignore[return-value]
+
+    def _open(self, items: list[tuple[Prepared, Hooks]]) -> DecodingBatch | None:
+        """Run the requests that must run alone (a lone request, blend mode, sliding windows beyond the
+        window), each to its end; start the others as a batch (None when there is none)."""
+        blocker = self.core.assembler.exact_reuse_blocker
+        together = []
+        for prepared, hooks in items:
+            if len(items) == 1 or not self._can_batch(prepared, blocker):
+                self._solo_outcome(prepared, hooks)
+            else:
+                together.append((prepared, hooks))
+        if not together:
+            return None
+        batch = DecodingBatch(self)
+        batch.admit(together)
+        return batch if len(batch) else None
+
+    @staticmethod
+    def _can_batch(prepared: Prepared, blocker: Callable[[int], str | None]) -> bool:
+        return prepared.mode != "blend" and blocker(len(prepared.canonical) + prepared.max_new_tokens) is None
+
+    def _solo_outcome(self, prepared: Prepared, hooks: Hooks) -> None:
+        outcome: Outcome
+        try:
+            outcome = self.solo(prepared, hooks.cancel, hooks.on_delta)
+        except Exception as e:
+            outcome = e
+        if hooks.on_outcome is not None:
+            hooks.on_outcome(outcome)
 
     def solo(
         self, prepared: Prepared, cancel: threading.Event | None = None, on_delta: OnDelta | None = None
@@ -255,12 +282,6 @@ class Generation:
         self._follow_up(prepared, last.result)
         yield last
 
-    def batch(self, prepared: list[Prepared], hooks: list[Hooks]) -> list[GenerationResult | BaseException]:
-        """Run requests as one batch: every prompt but its last chunk through the store, the rest together;
-        a request leaves the batch as soon as it ends, and its ``on_outcome`` hook hears of it then."""
-        with self.followups.activity():
-            return self._batch_rows(prepared, hooks)
-
     def _follow_up(self, prepared: Prepared, result: GenerationResult) -> None:
         """Queue storing a chat reply as the next turn will render it (see ``EngineConfig.store_replies``)."""
         request = prepared.request
@@ -271,63 +292,6 @@ class Generation:
             return
         salt = request.cache_salt  # the reply is the tenant's too
         self.followups.submit(lambda: store_reply(self.core, messages, result.text, salt))  # type: ignore[arg-type]
-
-    def _batch_rows(
-        self, prepared: list[Prepared], hooks: list[Hooks]
-    ) -> list[GenerationResult | BaseException]:
-        core = self.core
-        t_prefill = time.perf_counter()
-        results: list[GenerationResult | BaseException | None] = [None] * len(prepared)
-
-        def settle(i: int, outcome: Outcome) -> None:
-            results[i] = outcome
-            if isinstance(outcome, GenerationResult):  # queued before the caller can send the next turn
-                self._follow_up(prepared[i], outcome)
-            on_outcome = hooks[i].on_outcome
-            if on_outcome is not None:
-                on_outcome(outcome)
-
-        def finish_row(i: int, row: BatchRow, out: RowOutput) -> None:  # as the row leaves the batch
-            settle(i, self._row_result(prepared[i], row, out, t_prefill))
-
-        rows: dict[int, BatchRow] = {}  # by request index: the requests whose prefix prefill went well
-        keys: list[list[tuple[str, int]]] = []  # (key, end) of each row's prefix chunks
-        with core.lock:
-            for i, (p, hook) in enumerate(zip(prepared, hooks, strict=True)):
-                chunks = core.chunks(p.canonical, p.request.cache_salt)
-                try:
-                    row = self._batch_row(p, chunks, hook.cancel, hook.on_delta)
-                except Exception as e:  # this request alone fails; the others still run
-                    settle(i, e)
-                    continue
-                row.on_finish = partial(finish_row, i, row)
-                rows[i] = row
-                keys.append([(c.key, c.end) for c in chunks[:-1]])
-        if not rows:
-            return results  # type: ignore[return-value]
-        shared = 0  # tokens of the leading chunks that every row has (same keys: same KV)
-        for column in zip(*keys, strict=False):  # up to the shortest prefix
-            if any(key != column[0] for key in column):
-                break
-            shared = column[0][1]
-        run_batch(core.assembler, core.tokenizer, list(rows.values()), core.eos_ids, core.lock, shared)
-        return results  # type: ignore[return-value]
-
-    def _row_result(self, p: Prepared, row: BatchRow, out: RowOutput, t_prefill: float) -> Outcome:
-        """The result of a finished batch row (or what stopped it)."""
-        if out.finish_reason == "cancelled" or out.error is not None:
-            return out.error or CancelledError()
-        done = time.perf_counter()
-        prefix_recomputed = row.prefix.recomputed_tokens if row.prefix else 0
-        recomputed = prefix_recomputed + len(p.canonical) - row.prefix_tokens
-        timings = Timings(
-            out.first_token_at - p.submitted_at, done - p.submitted_at, out.first_token_at - t_prefill
-        )
-        finish = cast(FinishReason, out.finish_reason)  # "cancelled" and "error" are left above
-        note = self.core.reuse_note if p.mode == "exact" else None
-        return _result(
-            p, row.prefix, out.text, out.token_ids, finish, recomputed, timings, out.first_logits, note
-        )
 
     def _batch_row(
         self,
@@ -434,6 +398,103 @@ class Generation:
             store_last_logits=core.config.store_last_logits,
             reusable=chunked,
             stop=cancel,
+        )
+
+
+class DecodingBatch:
+    """Requests decoding together on one :class:`~kvboost_rag.batch.RunningBatch`; others join it
+    between its steps (:meth:`admit`), and each one's ``on_outcome`` hook hears of it as it leaves.
+
+    A joining request must hold the prefix that the batch keeps once for all rows (the same leading
+    chunk keys) and be able to run in a batch; :meth:`admit` hands back the others.
+    """
+
+    def __init__(self, generation: Generation) -> None:
+        self._generation = generation
+        self._running: RunningBatch | None = None
+        self._shared_keys: list[str] = []
+        """Keys of the leading chunks that the running rows share (kept once)."""
+
+    def __len__(self) -> int:
+        return len(self._running) if self._running is not None else 0
+
+    def admit(self, items: Sequence[tuple[Prepared, Hooks]]) -> list[Prepared]:
+        """Prefill these requests' prefixes through the store and their last chunks as one batch; they
+        decode with the running rows from the next step. Returns the requests that cannot join."""
+        generation = self._generation
+        core = generation.core
+        blocker = core.assembler.exact_reuse_blocker
+        refused: list[Prepared] = []
+        rows: list[BatchRow] = []
+        admitted: list[tuple[Prepared, Hooks]] = []  # of each row
+        keys: list[list[tuple[str, int]]] = []  # (key, end) of each row's prefix chunks
+        t_admit = time.perf_counter()
+        with core.lock:
+            for prepared, hooks in items:
+                chunks = core.chunks(prepared.canonical, prepared.request.cache_salt)
+                prefix_keys = [c.key for c in chunks[:-1]]
+                if not Generation._can_batch(prepared, blocker) or (
+                    prefix_keys[: len(self._shared_keys)] != self._shared_keys
+                ):
+                    refused.append(prepared)
+                    continue
+                try:
+                    row = generation._batch_row(prepared, chunks, hooks.cancel, hooks.on_delta)
+                except Exception as e:  # this request alone fails; the others still run
+                    self._settle(prepared, hooks, e)
+                    continue
+                row.on_finish = partial(self._finish, prepared, hooks, row, t_admit)
+                rows.append(row)
+                admitted.append((prepared, hooks))
+                keys.append([(c.key, c.end) for c in chunks[:-1]])
+        if not rows:
+            return refused
+        if self._running is None:
+            shared = 0  # tokens of the leading chunks that every row has (same keys: same KV)
+            for column in zip(*keys, strict=False):  # up to the shortest prefix
+                if any(key != column[0] for key in column):
+                    break
+                shared = column[0][1]
+            self._running = RunningBatch(core.assembler, core.tokenizer, core.eos_ids, core.lock, shared)
+            held = self._running.shared_tokens
+            self._shared_keys = [key for key, end in keys[0] if end <= held]
+        try:
+            self._running.admit(rows)
+        except Exception as e:  # e.g. out of memory: these requests fail, the running ones go on
+            for prepared, hooks in admitted:
+                self._settle(prepared, hooks, e)
+        return refused
+
+    def step(self) -> bool:
+        """One decode step of every running row; False once none is left."""
+        return self._running is not None and self._running.step()
+
+    def _finish(
+        self, prepared: Prepared, hooks: Hooks, row: BatchRow, t_prefill: float, out: RowOutput
+    ) -> None:
+        """A row left the batch: its result (or what stopped it) goes to its caller now."""
+        self._settle(prepared, hooks, self._row_result(prepared, row, out, t_prefill))
+
+    def _settle(self, prepared: Prepared, hooks: Hooks, outcome: Outcome) -> None:
+        if isinstance(outcome, GenerationResult):  # queued before the caller can send the next turn
+            self._generation._follow_up(prepared, outcome)
+        if hooks.on_outcome is not None:
+            hooks.on_outcome(outcome)
+
+    def _row_result(self, p: Prepared, row: BatchRow, out: RowOutput, t_prefill: float) -> Outcome:
+        """The result of a finished batch row (or what stopped it)."""
+        if out.finish_reason == "cancelled" or out.error is not None:
+            return out.error or CancelledError()
+        done = time.perf_counter()
+        prefix_recomputed = row.prefix.recomputed_tokens if row.prefix else 0
+        recomputed = prefix_recomputed + len(p.canonical) - row.prefix_tokens
+        timings = Timings(
+            out.first_token_at - p.submitted_at, done - p.submitted_at, out.first_token_at - t_prefill
+        )
+        finish = cast(FinishReason, out.finish_reason)  # "cancelled" and "error" are left above
+        note = self._generation.core.reuse_note if p.mode == "exact" else None
+        return _result(
+            p, row.prefix, out.text, out.token_ids, finish, recomputed, timings, out.first_logits, note
         )
 
 

@@ -1,13 +1,18 @@
 """Scheduler: requests from concurrent callers are served in batches by one worker thread.
 
-A request waits at most ``window_s`` after the oldest queued one for others to
-join its batch (0: no wait). Under load no waiting is needed: requests that
-arrive while a batch runs queue up and form the next batch together.
+A batch starts from the requests queued when the worker is free: it waits at most
+``window_s`` after the oldest queued one for others to join it (0: no wait). While the
+batch runs, requests that arrive join it between its decode steps (continuous
+batching), up to ``max_batch_size`` rows; a request that cannot join (it must run
+alone, or shares nothing with the running rows) is first in line for the next batch,
+and the running one takes nobody else meanwhile, so it drains and nobody waits behind
+a batch that never ends.
 
 Latency and throughput: a lone request pays at most the window; a batch of B
 requests decodes B tokens per forward pass, which on a CPU costs far less than
 B passes (the weights are read once), so throughput grows with B while each
-request's time per token grows a little.
+request's time per token grows a little. A request that arrives mid-batch waits for
+at most the step in progress before its prefill starts.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -48,26 +53,54 @@ class BatchFuture(Future, Generic[T]):
 @dataclass
 class Pending(Generic[R]):
     request: R
+    """What was submitted; the batch may replace it by a prepared form if it hands it back."""
     submitted_at: float
     future: BatchFuture = field(default_factory=BatchFuture)
     on_delta: Callable[[str], None] | None = None
     """Called on the worker thread with each piece of new text, as the request's tokens come out."""
 
+    def start(self) -> bool:
+        """Mark the request running; False when it was cancelled first (drop it)."""
+        return self.future.running() or self.future.set_running_or_notify_cancel()
+
+
+class Arrivals(Generic[R]):
+    """What a running batch is offered between its steps: requests queued since it started."""
+
+    def __init__(self, scheduler: Scheduler[R], members: list[Pending[R]]) -> None:
+        self._scheduler = scheduler
+        self._members = members
+        self._closed = False
+
+    def take(self, limit: int) -> list[Pending[R]]:
+        """Up to ``limit`` queued requests (started), oldest first; none once one was handed back."""
+        if self._closed or limit <= 0:
+            return []
+        taken = [p for p in self._scheduler._take(limit) if p.start()]
+        self._members.extend(taken)
+        return taken
+
+    def hand_back(self, pending: Sequence[Pending[R]]) -> None:
+        """Requests that cannot join: they head the queue for the next batch, and this batch takes
+        no one else (it drains)."""
+        if not pending:
+            return
+        self._closed = True
+        for p in pending:
+            self._members.remove(p)
+        self._scheduler._requeue(pending)
+
+
+Serve = Callable[[Sequence[Pending[R]], Arrivals[R]], None]
+"""Runs a batch of started requests, settling each one's future (``future.settle``), and offers the
+batch ``Arrivals`` between its steps."""
+
 
 class Scheduler(Generic[R]):
-    """Collects submitted requests into batches and runs them with ``run_batch`` on a worker thread.
+    """Collects submitted requests into batches and runs them with ``serve`` on a worker thread."""
 
-    ``run_batch(pending)`` returns one result or exception per request, in order.
-    """
-
-    def __init__(
-        self,
-        run_batch: Callable[[Sequence[Pending[R]]], Sequence[Any]],
-        *,
-        window_s: float,
-        max_batch_size: int,
-    ) -> None:
-        self._run_batch = run_batch
+    def __init__(self, serve: Serve[R], *, window_s: float, max_batch_size: int) -> None:
+        self._serve_batch = serve
         self._window_s = window_s
         self._max_batch_size = max_batch_size
         self._queue: deque[Pending[R]] = deque()
@@ -75,6 +108,10 @@ class Scheduler(Generic[R]):
         self._closed = False
         self._worker = threading.Thread(target=self._serve, name="kvboost-scheduler", daemon=True)
         self._worker.start()
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch_size
 
     def submit(self, request: R, on_delta: Callable[[str], None] | None = None) -> BatchFuture:
         pending = Pending(request, time.perf_counter(), on_delta=on_delta)
@@ -93,6 +130,14 @@ class Scheduler(Generic[R]):
         if threading.current_thread() is not self._worker:
             self._worker.join()
 
+    def _take(self, limit: int) -> list[Pending[R]]:
+        with self._ready:
+            return [self._queue.popleft() for _ in range(min(len(self._queue), limit))]
+
+    def _requeue(self, pending: Sequence[Pending[R]]) -> None:
+        with self._ready:
+            self._queue.extendleft(reversed(pending))
+
     def _next_batch(self) -> list[Pending[R]] | None:
         with self._ready:
             while not self._queue:
@@ -109,12 +154,13 @@ class Scheduler(Generic[R]):
 
     def _serve(self) -> None:
         while (batch := self._next_batch()) is not None:
-            live = [p for p in batch if p.future.set_running_or_notify_cancel()]
-            if not live:
+            members = [p for p in batch if p.start()]
+            if not members:
                 continue
+            error: BaseException = RuntimeError("the batch ended without an outcome for this request")
             try:
-                outcomes = self._run_batch(live)
+                self._serve_batch(list(members), Arrivals(self, members))
             except BaseException as e:  # a bug in the batch path: fail these requests, keep serving
-                outcomes = [e] * len(live)
-            for pending, outcome in zip(live, outcomes, strict=True):
-                pending.future.settle(outcome)  # most were settled as their rows ended
+                error = e
+            for pending in members:
+                pending.future.settle(error)  # no effect on those settled as their rows ended

@@ -256,3 +256,19 @@ def record_astreams(monkeypatch: Any, engine: Any) -> list:
 
     monkeypatch.setattr(engine, "astream", astream)
     return opened
+
+
+def record_admissions(monkeypatch: Any) -> list[int]:
+    """Record how many rows each batch admission takes (the first admission of a batch, and each
+    group that joins it later), in order; a lone request admits none."""
+    from kvboost_rag.batch import RunningBatch
+
+    sizes: list[int] = []
+    real_admit = RunningBatch.admit
+
+    def admit(self: RunningBatch, rows: Any) -> None:
+        sizes.append(len(rows))
+        real_admit(self, rows)
+
+    monkeypatch.setattr(RunningBatch, "admit", admit)
+    return sizes

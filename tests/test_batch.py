@@ -15,11 +15,11 @@ from concurrent.futures import CancelledError
 
 import pytest
 import torch
-from helpers import essay_paragraphs, tiny_model, tiny_tokenizer
+from helpers import essay_paragraphs, record_admissions, tiny_model, tiny_tokenizer
 
 from kvboost_rag import EngineConfig, InvalidRequestError, KVBoostEngine, Request, Segment
 from kvboost_rag import batch as batch_module
-from kvboost_rag import generation as engine_module
+from kvboost_rag.batch import RunningBatch
 
 SHARED = Segment("A key-value cache stores attention keys and values for every token of the prompt. " * 3)
 QUESTIONS = [
@@ -199,14 +199,7 @@ def test_a_request_failing_inside_the_batch_fails_alone(monkeypatch, stage):
 
 
 def test_scheduler_merges_concurrent_callers(monkeypatch):
-    sizes = []
-    real = engine_module.run_batch
-
-    def spy(assembler, tokenizer, rows, *args):
-        sizes.append(len(rows))
-        return real(assembler, tokenizer, rows, *args)
-
-    monkeypatch.setattr(engine_module, "run_batch", spy)
+    sizes = record_admissions(monkeypatch)
     engine = make_engine(batch_window_ms=300)
     lone = [make_engine().generate(p, max_new_tokens=6) for p in prompts()]
     results: list = [None] * 4
@@ -261,7 +254,7 @@ def test_asyncio_callers_are_batched_and_a_timeout_cancels_only_its_request():
 
 
 def test_max_batch_size_one_runs_every_request_alone(monkeypatch):
-    monkeypatch.setattr(engine_module, "run_batch", lambda *a: pytest.fail("batched although disabled"))
+    monkeypatch.setattr(RunningBatch, "admit", lambda *a: pytest.fail("batched although disabled"))
     engine = make_engine(max_batch_size=1)
     assert engine.generate(prompts()[0], max_new_tokens=3).usage.completion_tokens <= 3
 

@@ -11,10 +11,9 @@ import threading
 from concurrent.futures import CancelledError
 
 import pytest
-from helpers import tiny_model, tiny_tokenizer
+from helpers import record_admissions, tiny_model, tiny_tokenizer
 
 from kvboost_rag import EngineConfig, KVBoostEngine, Request, Segment, StreamOverflowError
-from kvboost_rag import generation as generation_module
 
 SHARED = Segment("A key-value cache stores attention keys and values for every token of the prompt. " * 3)
 QUESTIONS = ["Why?", "What does it store for each token?", "Name one", "Is it exact, and how would we know?"]
@@ -30,15 +29,7 @@ def make_engine(**config) -> KVBoostEngine:
 
 @pytest.fixture
 def batch_sizes(monkeypatch) -> list[int]:
-    sizes: list[int] = []
-    real = generation_module.run_batch
-
-    def spy(assembler, tokenizer, rows, *args):
-        sizes.append(len(rows))
-        return real(assembler, tokenizer, rows, *args)
-
-    monkeypatch.setattr(generation_module, "run_batch", spy)
-    return sizes
+    return record_admissions(monkeypatch)
 
 
 def lone(i: int, max_new_tokens: int = 8, **settings):

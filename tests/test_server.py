@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from helpers import tiny_model, tiny_tokenizer
+from helpers import record_admissions, tiny_model, tiny_tokenizer
 
 from kvboost_rag import EngineConfig, KVBoostEngine
 from kvboost_rag.limits import ServerLimits
@@ -433,14 +433,7 @@ def test_a_full_queue_answers_429_and_admitted_requests_finish(engine):
 
 
 def test_concurrent_requests_are_served_in_one_batch(engine, served, monkeypatch):
-    sizes: list[int] = []
-    real_batch = engine.generation.batch
-
-    def spy(prepared: Any, cancels: Any) -> Any:
-        sizes.append(len(prepared))
-        return real_batch(prepared, cancels)
-
-    monkeypatch.setattr(engine.generation, "batch", spy)
+    sizes = record_admissions(monkeypatch)
     with ThreadPoolExecutor(4) as pool:
         with model_busy(engine):  # hold the model while four requests arrive; they queue up in the scheduler
             futures = [pool.submit(post_chat, served.url, f"Batch question {i}?") for i in range(4)]

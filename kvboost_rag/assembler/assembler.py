@@ -256,6 +256,26 @@ class Assembler:
         for layer in buffered_layers(cache):
             layer.set_buffers(layer._k.index_select(0, rows), layer._v.index_select(0, rows), layer.length)
 
+    @staticmethod
+    @torch.inference_mode()
+    def join_rows(cache: Cache, joining: Cache) -> None:
+        """Lay the rows of batch cache ``joining`` after those of ``cache`` (new requests join a batch).
+
+        Both keep their slots from 0; the shorter one is padded with zero slots (to be masked) to
+        the longer's length, so that the next token of every row goes to one common slot.
+        """
+        for layer, other in zip(buffered_layers(cache), buffered_layers(joining), strict=True):
+            length = max(layer.length, other.length)
+            capacity = max(layer.capacity, other.capacity)
+            rows = layer._k.shape[0] + other._k.shape[0]
+            merged = []
+            for mine, theirs in ((layer._k, other._k), (layer._v, other._v)):
+                buffer = mine.new_zeros(rows, mine.shape[1], capacity, mine.shape[3])
+                buffer[: mine.shape[0], :, : layer.length] = mine[:, :, : layer.length]
+                buffer[mine.shape[0] :, :, : other.length] = theirs[:, :, : other.length]
+                merged.append(buffer)
+            layer.set_buffers(merged[0], merged[1], length)
+
     @torch.inference_mode()
     def probe(
         self, cache: Cache, token_ids: Sequence[int], start: int, layer: int

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("langchain_core")
 
-from helpers import essay_paragraphs, record_astreams, run_while_ticking  # noqa: E402
+from helpers import essay_paragraphs, record_admissions, record_astreams, run_while_ticking  # noqa: E402
 from langchain_core.callbacks import BaseCallbackHandler  # noqa: E402
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
@@ -194,15 +194,7 @@ def test_bad_messages_get_clear_errors():
 
 
 def test_batch_and_abatch_are_served_in_shared_batches(monkeypatch):
-    from kvboost_rag import generation as engine_module
-
-    sizes = []
-    real = engine_module.run_batch
-    monkeypatch.setattr(
-        engine_module,
-        "run_batch",
-        lambda a, t, rows, *rest: sizes.append(len(rows)) or real(a, t, rows, *rest),
-    )
+    sizes = record_admissions(monkeypatch)
     model = llm(max_tokens=8)
     questions = [[HumanMessage(f"Name a {thing}.")] for thing in ("color", "fruit", "city", "planet")]
     alone = [model.invoke(q).content for q in questions]

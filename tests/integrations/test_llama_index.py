@@ -14,7 +14,7 @@ pytest.importorskip("llama_index.core")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-from helpers import essay_paragraphs, record_astreams, run_while_ticking  # noqa: E402
+from helpers import essay_paragraphs, record_admissions, record_astreams, run_while_ticking  # noqa: E402
 from llama_index.core import Document, PromptTemplate, VectorStoreIndex, get_response_synthesizer  # noqa: E402
 from llama_index.core.callbacks import CallbackManager, TokenCountingHandler  # noqa: E402
 from llama_index.core.ingestion import IngestionCache, IngestionPipeline  # noqa: E402
@@ -306,15 +306,7 @@ def test_a_custom_template_is_prewarmed_after_its_own_opening(embed_model, essay
 
 
 def test_concurrent_async_calls_share_batches(monkeypatch):
-    from kvboost_rag import generation as engine_module
-
-    sizes = []
-    real = engine_module.run_batch
-    monkeypatch.setattr(
-        engine_module,
-        "run_batch",
-        lambda a, t, rows, *rest: sizes.append(len(rows)) or real(a, t, rows, *rest),
-    )
+    sizes = record_admissions(monkeypatch)
     model = llm(max_new_tokens=8)
     questions = [
         [ChatMessage(role="user", content=f"Name a {thing}.")]
