@@ -37,6 +37,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .assembler import Assembler
+from .assembler.buffered_cache import buffered_layers
 from .request import Request
 from .runner import PrefillOutcome
 from .sampling import select_token
@@ -116,9 +117,40 @@ class RunningBatch:
         self._valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, slots]: the row may attend to the slot
         self._next_position = torch.zeros(0, dtype=torch.long)  # [rows]
         self._logits = torch.zeros(0)  # [rows, vocab]: what each row's next token is chosen from
+        self._lone = False
+        """One adopted row decodes on the exact single-request path (until others are admitted)."""
 
     def __len__(self) -> int:
         return len(self._running)
+
+    def adopt(self, row: BatchRow) -> None:
+        """Start with one row whose whole prompt is prefilled (``row.prefix``, with its last logits):
+        while it runs alone it decodes on the exact single-request path, one token per forward,
+        bitwise as a lone request; once others are admitted it decodes as a row of the batch."""
+        prefix = row.prefix
+        if (
+            self._running
+            or prefix is None
+            or prefix.logits is None
+            or row.prefix_tokens != len(row.token_ids)
+        ):
+            raise ValueError("adopt takes a first row whose whole prompt is prefilled, with its logits")
+        cache, device = prefix.cache, self._assembler.device
+        for layer in buffered_layers(cache):
+            layer.stop = None  # the row's cancellation ends the row, not a batch forward
+        first = prefix.logits
+        self._running = [
+            _Running(
+                row,
+                TextStream(self._tokenizer, row.request.stop_strings),
+                row.request.generator(device),
+                first,
+            )
+        ]
+        self._cache, self._lone, self.shared_tokens = cache, True, 0
+        self._valid = torch.ones(1, len(row.token_ids), dtype=torch.bool, device=device)
+        self._next_position = torch.tensor([len(row.token_ids)], device=device)
+        self._logits = first.unsqueeze(0)
 
     def admit(self, rows: Sequence[BatchRow]) -> None:
         """Prefill the rows' last chunks as one batch over their prefixes; they take part from the
@@ -168,11 +200,23 @@ class RunningBatch:
             self._cache, self._valid, self._next_position, self._logits = cache, valid, next_position, logits
         else:  # beside the running rows: both padded to the longer slot count
             slots_now = max(self._valid.shape[1], valid.shape[1])
-            assembler.join_rows(self._cache, cache)
+            left = [run.row.max_new_tokens - run.emitted for run in self._running]
+            left += [r.max_new_tokens for r in rows]
+            assembler.join_rows(self._cache, cache, slots_now + max(left))
             self._valid = torch.cat([_pad_slots(self._valid, slots_now), _pad_slots(valid, slots_now)])
             self._next_position = torch.cat([self._next_position, next_position])
             self._logits = torch.cat([self._logits, logits])
         self._running.extend(joined)
+        self._lone = False
+
+    def unshare(self) -> None:
+        """Give every running row its own copy of the shared prefix, so that rows without it can join
+        (``shared_tokens`` becomes 0). Decoding goes on unchanged, reading the prefix per row."""
+        if self._shared is not None and self._cache is not None:
+            self._assembler.unshare_prefix(self._cache, self._shared)
+            prefix = self._valid.new_ones(self._valid.shape[0], self.shared_tokens)
+            self._valid = torch.cat([prefix, self._valid], dim=1)  # [rows, shared + own slots]
+        self._shared, self.shared_tokens = None, 0
 
     def step(self) -> bool:
         """Choose every row's next token, let finished rows leave, and run one decode forward over the
@@ -214,10 +258,20 @@ class RunningBatch:
             self._next_position = self._next_position.index_select(0, index)
             self._running = [self._running[b] for b in keep]
         self._valid = torch.cat([self._valid, self._valid.new_ones(len(keep), 1)], dim=1)
-        tokens = torch.tensor(chosen, device=self._valid.device).unsqueeze(1)
-        self._logits = self._assembler.forward_rows(
-            self._cache, tokens, self._next_position.unsqueeze(1), self._valid[:, None, None, :], self._shared
-        )
+        if self._lone:  # as a lone request decodes
+            position = int(self._next_position[0])
+            logits = self._assembler.forward(self._cache, chosen, position, exact_rows=False)
+            assert logits is not None  # asked for
+            self._logits = logits.unsqueeze(0)
+        else:
+            tokens = torch.tensor(chosen, device=self._valid.device).unsqueeze(1)
+            self._logits = self._assembler.forward_rows(
+                self._cache,
+                tokens,
+                self._next_position.unsqueeze(1),
+                self._valid[:, None, None, :],
+                self._shared,
+            )
         self._next_position += 1
         return True
 

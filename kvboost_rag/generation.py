@@ -231,16 +231,18 @@ class Generation:
         """Run the requests that must run alone (a lone request, blend mode, sliding windows beyond the
         window), each to its end; start the others as a batch (None when there is none)."""
         blocker = self.core.assembler.exact_reuse_blocker
-        together = []
+        together = [(p, h) for p, h in items if self._can_batch(p, blocker)]
+        batched = {id(p) for p, _ in together}
         for prepared, hooks in items:
-            if len(items) == 1 or not self._can_batch(prepared, blocker):
+            if id(prepared) not in batched:
                 self._solo_outcome(prepared, hooks)
-            else:
-                together.append((prepared, hooks))
         if not together:
             return None
         batch = DecodingBatch(self)
-        batch.admit(together)
+        if len(together) == 1:
+            batch.start_lone(*together[0])  # the exact single-request path, until others join
+        else:
+            batch.admit(together)
         return batch if len(batch) else None
 
     @staticmethod
@@ -405,8 +407,9 @@ class DecodingBatch:
     """Requests decoding together on one :class:`~kvboost_rag.batch.RunningBatch`; others join it
     between its steps (:meth:`admit`), and each one's ``on_outcome`` hook hears of it as it leaves.
 
-    A joining request must hold the prefix that the batch keeps once for all rows (the same leading
-    chunk keys) and be able to run in a batch; :meth:`admit` hands back the others.
+    A joining request must be able to run in a batch (:meth:`admit` hands back the others). The
+    prefix that the rows share is kept once for all rows until a request without it joins; from then
+    on each row holds its own copy.
     """
 
     def __init__(self, generation: Generation) -> None:
@@ -417,6 +420,31 @@ class DecodingBatch:
 
     def __len__(self) -> int:
         return len(self._running) if self._running is not None else 0
+
+    def start_lone(self, prepared: Prepared, hooks: Hooks) -> None:
+        """Start with one request, prefilled and decoded as a lone request is (bitwise the same
+        tokens, logits and stored chunks) until others join it."""
+        generation, core = self._generation, self._generation.core
+        t_prefill = time.perf_counter()
+        try:
+            with core.lock:
+                out = generation._prefill(prepared, True, prepared.mode != "off", hooks.cancel)
+        except Exception as e:
+            self._settle(prepared, hooks, e)
+            return
+        n_prompt = len(prepared.canonical)
+        row = BatchRow(
+            prepared.canonical.token_ids,
+            out,
+            n_prompt,
+            prepared.request,
+            prepared.max_new_tokens,
+            hooks.cancel,
+            hooks.on_delta,
+        )
+        row.on_finish = partial(self._finish, prepared, hooks, row, t_prefill)
+        self._running = RunningBatch(core.assembler, core.tokenizer, core.eos_ids, core.lock)
+        self._running.adopt(row)
 
     def admit(self, items: Sequence[tuple[Prepared, Hooks]]) -> list[Prepared]:
         """Prefill these requests' prefixes through the store and their last chunks as one batch; they
@@ -431,13 +459,15 @@ class DecodingBatch:
         t_admit = time.perf_counter()
         with core.lock:
             for prepared, hooks in items:
-                chunks = core.chunks(prepared.canonical, prepared.request.cache_salt)
-                prefix_keys = [c.key for c in chunks[:-1]]
-                if not Generation._can_batch(prepared, blocker) or (
-                    prefix_keys[: len(self._shared_keys)] != self._shared_keys
-                ):
+                if not Generation._can_batch(prepared, blocker):
                     refused.append(prepared)
                     continue
+                chunks = core.chunks(prepared.canonical, prepared.request.cache_salt)
+                prefix_keys = [c.key for c in chunks[:-1]]  # the last chunk is prefilled per row
+                if prefix_keys[: len(self._shared_keys)] != self._shared_keys:
+                    assert self._running is not None  # only a running batch shares keys
+                    self._running.unshare()  # this row lacks the shared prefix: rows hold their own
+                    self._shared_keys = []
                 try:
                     row = generation._batch_row(prepared, chunks, hooks.cancel, hooks.on_delta)
                 except Exception as e:  # this request alone fails; the others still run

@@ -116,18 +116,25 @@ def model_busy(engine: KVBoostEngine) -> Any:
 
 
 def count_decoded_tokens(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the tokens the engine's single-request decode loop produces from now on."""
+    """Count the tokens the engine decodes from now on: those of the scheduler's batches (a lone
+    request's too) and of the single-request loop (``max_batch_size=1``, blend)."""
     import kvboost_rag.generation as generation_module
+    from kvboost_rag.batch import RunningBatch
 
     count = [0]
-    real = generation_module.decode
+    real_decode, real_step = generation_module.decode, RunningBatch.step
 
     def counting(*args: Any, **kwargs: Any) -> Iterator[int]:
-        for token in real(*args, **kwargs):
+        for token in real_decode(*args, **kwargs):
             count[0] += 1
             yield token
 
+    def step(self: RunningBatch) -> bool:
+        count[0] += len(self)  # a token for each running row (those that end with it included)
+        return real_step(self)
+
     monkeypatch.setattr(generation_module, "decode", counting)
+    monkeypatch.setattr(RunningBatch, "step", step)
     return count
 
 
@@ -551,6 +558,36 @@ def test_a_client_that_disconnects_stops_its_stream(served, monkeypatch):
         ("kvboost_stream_aborts_total", (("endpoint", "/v1/chat/completions"), ("reason", "disconnect")))
     ]
     assert aborts >= 1
+
+
+def test_a_client_that_disconnects_leaves_its_batch_and_the_other_streams_finish(engine, served, monkeypatch):
+    joined = record_admissions(monkeypatch)
+    decoded = count_decoded_tokens(monkeypatch)
+    doomed = {"model": MODEL, "messages": chat(SYSTEM + "(left)"), "max_tokens": 1500, "stream": True}
+    questions = ["Who stays?", "What is kept?"]
+
+    def answer(question: str, stream: bool) -> str:
+        with openai.OpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0, timeout=60) as c:
+            messages = chat(SYSTEM + "(stay)", question)
+            reply = c.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=stream
+            )
+            if not stream:
+                return reply.choices[0].message.content
+            return "".join(ch.choices[0].delta.content or "" for ch in reply if ch.choices)
+
+    with ThreadPoolExecutor(2) as pool:
+        with httpx.stream("POST", f"{served.url}/v1/chat/completions", json=doomed, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    break  # it is decoding, alone
+            staying = [pool.submit(answer, q, True) for q in questions]
+            wait_until(lambda: sum(joined) == 2, what="the two streams to join the running one")
+        answers = [f.result() for f in staying]  # the doomed client is gone meanwhile
+    wait_until(lambda: not served.service.running_streams, what="the streams to end")
+    assert decoded[0] < 1500 + 2 * 12  # the doomed one left the batch
+    assert answers == [answer(q, False) for q in questions]  # as each runs alone
 
 
 # -- fuzzing ------------------------------------------------------------------------------------------

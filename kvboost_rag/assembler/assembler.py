@@ -258,23 +258,41 @@ class Assembler:
 
     @staticmethod
     @torch.inference_mode()
-    def join_rows(cache: Cache, joining: Cache) -> None:
-        """Lay the rows of batch cache ``joining`` after those of ``cache`` (new requests join a batch).
+    def join_rows(cache: Cache, joining: Cache, capacity: int) -> None:
+        """Lay the rows of batch cache ``joining`` after those of ``cache`` (new requests join a batch),
+        in buffers of at least ``capacity`` slots.
 
         Both keep their slots from 0; the shorter one is padded with zero slots (to be masked) to
         the longer's length, so that the next token of every row goes to one common slot.
         """
         for layer, other in zip(buffered_layers(cache), buffered_layers(joining), strict=True):
             length = max(layer.length, other.length)
-            capacity = max(layer.capacity, other.capacity)
+            size = block_attention.round_up(max(capacity, length), block_attention.KEY_BLOCK)
             rows = layer._k.shape[0] + other._k.shape[0]
             merged = []
             for mine, theirs in ((layer._k, other._k), (layer._v, other._v)):
-                buffer = mine.new_zeros(rows, mine.shape[1], capacity, mine.shape[3])
+                buffer = mine.new_zeros(rows, mine.shape[1], size, mine.shape[3])
                 buffer[: mine.shape[0], :, : layer.length] = mine[:, :, : layer.length]
                 buffer[mine.shape[0] :, :, : other.length] = theirs[:, :, : other.length]
                 merged.append(buffer)
             layer.set_buffers(merged[0], merged[1], length)
+
+    @staticmethod
+    @torch.inference_mode()
+    def unshare_prefix(cache: Cache, shared: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy a shared prefix (from :meth:`shared_prefix`) into slot 0 on of every row of batch
+        ``cache``, before the row's own slots: the rows no longer need it passed to
+        :meth:`forward_rows`."""
+        for layer, (shared_keys, shared_values) in zip(buffered_layers(cache), shared, strict=True):
+            tokens, length = shared_keys.shape[2], layer.length
+            size = block_attention.round_up(layer.capacity + tokens, block_attention.KEY_BLOCK)
+            merged = []
+            for own, prefix in ((layer._k, shared_keys), (layer._v, shared_values)):
+                buffer = own.new_zeros(own.shape[0], own.shape[1], size, own.shape[3])
+                buffer[:, :, :tokens] = prefix  # [1, kv_heads, tokens, head_dim] to every row
+                buffer[:, :, tokens : tokens + length] = own[:, :, :length]
+                merged.append(buffer)
+            layer.set_buffers(merged[0], merged[1], tokens + length)
 
     @torch.inference_mode()
     def probe(
