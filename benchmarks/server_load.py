@@ -302,7 +302,7 @@ def system_prompt(tokens: int) -> str:
 
 
 def single_stream_decode(
-    model_name: str, dtype: str, system: str, new_tokens: int, reps: int
+    model: Any, tokenizer: Any, system: str, new_tokens: int, reps: int
 ) -> dict[str, Any]:
     """Decode ms/token of one engine stream against HF ``generate`` on the same model and prompt.
 
@@ -315,9 +315,7 @@ def single_stream_decode(
     from common import summary
 
     from kvboost_rag import EngineConfig, KVBoostEngine
-    from kvboost_rag.models import load_model
 
-    model, tokenizer = load_model(model_name, dtype=dtype)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question(0, 0)}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
@@ -349,6 +347,77 @@ def single_stream_decode(
         "stream_decode_ms_per_token": summary(stream_ms),
         "hf_generate_decode_ms_per_token": summary(hf_ms),
         "stream_over_hf": summary([a / b for a, b in zip(stream_ms, hf_ms, strict=True)]),
+    }
+
+
+def joiner_ttft(model: Any, tokenizer: Any, system: str, reps: int, running: int = 7) -> dict[str, Any]:
+    """TTFT of a stream that arrives while ``running`` others decode, against the bound
+    ``1.5 x lone TTFT + one decode step`` of those rows (in-process engine, no HTTP).
+
+    Every request shares the system prompt (stored by a warm-up request) and asks its own question.
+    A repetition times a lone stream's first delta, starts ``running`` long streams, waits until
+    they decode steadily, takes one step as the median gap between the first row's last deltas,
+    then times the first delta of one more stream, and cancels the long ones.
+    """
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from concurrent.futures import CancelledError
+
+    from common import summary
+
+    from kvboost_rag import EngineConfig, KVBoostEngine
+
+    engine = KVBoostEngine(model, tokenizer, config=EngineConfig())
+    engine.eos_ids = frozenset()  # the long rows decode until cancelled
+    asked = iter(range(1_000_000))
+
+    def messages() -> list[dict[str, str]]:
+        k = next(asked)
+        return [{"role": "system", "content": system}, {"role": "user", "content": question(k, k)}]
+
+    def first_delta_s(max_new_tokens: int = 4) -> float:
+        t0 = time.perf_counter()
+        stream = engine.stream(messages(), max_new_tokens=max_new_tokens)
+        next(piece for piece in stream if piece.text)
+        elapsed = time.perf_counter() - t0
+        for _ in stream:  # drain
+            pass
+        return elapsed
+
+    def consume(stream: Any, stamps: list[float]) -> None:
+        try:
+            for _ in stream:
+                stamps.append(time.perf_counter())
+        except CancelledError:  # as the repetition ends
+            pass
+
+    engine.generate(messages(), max_new_tokens=1)  # stores the shared system prompt
+    first_delta_s()  # warm-up
+    lone, joiner, step = [], [], []
+    for _ in range(reps):
+        lone.append(first_delta_s())
+        streams = [engine.stream(messages(), max_new_tokens=256) for _ in range(running)]
+        stamps: list[list[float]] = [[] for _ in streams]
+        threads = [threading.Thread(target=consume, args=a) for a in zip(streams, stamps, strict=True)]
+        for t in threads:
+            t.start()
+        while min(len(s) for s in stamps) < 12:  # every row decoding, for a few steps
+            time.sleep(0.01)
+        recent = stamps[0][-8:]
+        step.append(statistics.median(b - a for a, b in zip(recent[:-1], recent[1:], strict=True)))
+        joiner.append(first_delta_s())
+        for s in streams:
+            s.cancel()
+        for t in threads:
+            t.join()
+    engine.close()
+    bound = [1.5 * a + b for a, b in zip(lone, step, strict=True)]
+    return {
+        "running_rows": running,
+        "lone_ttft_s": summary(lone),
+        "step_s": summary(step),
+        "joiner_ttft_s": summary(joiner),
+        "bound_s": summary(bound),
+        "joiner_over_bound": summary([a / b for a, b in zip(joiner, bound, strict=True)]),
     }
 
 
@@ -413,11 +482,22 @@ def main() -> None:
             server.kill()
 
     # with the server gone, so that nothing else runs beside it
-    decode = single_stream_decode(args.model, args.dtype, system, 64, 3 if args.quick else 7)
+    from kvboost_rag.models import load_model
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    decode = single_stream_decode(model, tokenizer, system, 64, 3 if args.quick else 7)
     print(
         f"single-stream decode: {decode['stream_decode_ms_per_token']['median']:.1f} ms/token, HF generate "
         f"{decode['hf_generate_decode_ms_per_token']['median']:.1f} ms/token "
         f"(stream/HF {decode['stream_over_hf']['median']:.2f}x)",
+        flush=True,
+    )
+    joining = joiner_ttft(model, tokenizer, system, 2 if args.quick else 5)
+    print(
+        f"a stream joining {joining['running_rows']} decoding ones: first delta after "
+        f"{joining['joiner_ttft_s']['median']:.2f} s (lone {joining['lone_ttft_s']['median']:.2f} s, "
+        f"step {joining['step_s']['median']:.2f} s; over 1.5 x lone + step: "
+        f"{joining['joiner_over_bound']['median']:.2f})",
         flush=True,
     )
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -433,6 +513,7 @@ def main() -> None:
                 "settings": settings_out,
                 "runs": runs,
                 "single_stream_decode": decode,
+                "joiner_ttft": joining,
                 "server_exit_code": server.returncode,
             },
             indent=2,

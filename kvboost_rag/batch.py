@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from . import block_attention
 from .assembler import Assembler
 from .assembler.buffered_cache import buffered_layers
 from .request import Request
@@ -200,9 +201,11 @@ class RunningBatch:
             self._cache, self._valid, self._next_position, self._logits = cache, valid, next_position, logits
         else:  # beside the running rows: both padded to the longer slot count
             slots_now = max(self._valid.shape[1], valid.shape[1])
+            # room for the tokens to come, up to one key block: a join copies every row's buffers,
+            # so a large max_new_tokens must not make it copy (and zero) more; past it they grow
             left = [run.row.max_new_tokens - run.emitted for run in self._running]
             left += [r.max_new_tokens for r in rows]
-            assembler.join_rows(self._cache, cache, slots_now + max(left))
+            assembler.join_rows(self._cache, cache, slots_now + min(max(left), block_attention.KEY_BLOCK))
             self._valid = torch.cat([_pad_slots(self._valid, slots_now), _pad_slots(valid, slots_now)])
             self._next_position = torch.cat([self._next_position, next_position])
             self._logits = torch.cat([self._logits, logits])
