@@ -228,13 +228,14 @@ class Generation:
         return outcomes  # type: ignore[return-value]
 
     def _open(self, items: list[tuple[Prepared, Hooks]]) -> DecodingBatch | None:
-        """Run the requests that must run alone (a lone request, blend mode, sliding windows beyond the
-        window), each to its end; start the others as a batch (None when there is none)."""
+        """Run the requests that must run alone (blend mode, sliding windows beyond the window), each to
+        its end; start the others as a batch that later requests can join (None when there is none)."""
         blocker = self.core.assembler.exact_reuse_blocker
-        together = [(p, h) for p, h in items if self._can_batch(p, blocker)]
-        batched = {id(p) for p, _ in together}
+        together = []
         for prepared, hooks in items:
-            if id(prepared) not in batched:
+            if self._can_batch(prepared, blocker):
+                together.append((prepared, hooks))
+            else:
                 self._solo_outcome(prepared, hooks)
         if not together:
             return None
@@ -432,11 +433,10 @@ class DecodingBatch:
         except Exception as e:
             self._settle(prepared, hooks, e)
             return
-        n_prompt = len(prepared.canonical)
         row = BatchRow(
             prepared.canonical.token_ids,
             out,
-            n_prompt,
+            len(prepared.canonical),
             prepared.request,
             prepared.max_new_tokens,
             hooks.cancel,

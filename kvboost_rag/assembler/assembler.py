@@ -280,7 +280,7 @@ class Assembler:
     @staticmethod
     @torch.inference_mode()
     def unshare_prefix(cache: Cache, shared: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy a shared prefix (from :meth:`shared_prefix`) into slot 0 on of every row of batch
+        """Copy a shared prefix (from :meth:`shared_prefix`) into the first slots of every row of batch
         ``cache``, before the row's own slots: the rows no longer need it passed to
         :meth:`forward_rows`."""
         for layer, (shared_keys, shared_values) in zip(buffered_layers(cache), shared, strict=True):
