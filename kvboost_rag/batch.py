@@ -3,10 +3,11 @@
 Every request's prompt except its last chunk is prefilled over the canonical
 schedule, one request after another, through the store: a prefix that several
 requests share is computed by the first and read by the others, and everything
-stored keeps the exact bits of the unbatched path. The last chunks (typically
-the distinct questions) of the rows admitted together then run as one padded
-forward, and decoding advances all running rows together, each with its own
-sampling and stopping. A finished row leaves at once; rows admitted later
+stored keeps the exact bits of the unbatched path. The last chunks of the rows
+admitted together then run as one padded forward (a row that had to compute
+part of its prompt anyway brings it whole, with its logits), and decoding
+advances all running rows together, each with its own sampling and stopping.
+A finished row leaves at once; rows admitted later
 (:meth:`RunningBatch.admit` between two :meth:`RunningBatch.step` calls) join
 the next step.
 
@@ -52,7 +53,8 @@ class BatchRow:
     token_ids: list[int]
     """All canonical prompt ids."""
     prefix: PrefillOutcome | None
-    """Cache of every chunk but the last (None: the prompt is one chunk)."""
+    """Cache of the first ``prefix_tokens`` prompt tokens: every chunk but the last (None: the prompt
+    is one chunk), or the whole prompt with its last logits (the row runs no prefill in the batch)."""
     prefix_tokens: int
     request: Request
     max_new_tokens: int
@@ -187,14 +189,23 @@ class RunningBatch:
         causal = slots.unsqueeze(0) <= query_slots  # [S, P + S]
         own = slots.unsqueeze(0) == query_slots
         mask = (valid.unsqueeze(1) & causal) | own  # [rows, S, P + S]
-        with self._prefill_lock:
-            logits = assembler.forward_rows(cache, ids, positions, mask.unsqueeze(1), self._shared)
-
+        if span:
+            with self._prefill_lock:
+                logits = assembler.forward_rows(cache, ids, positions, mask.unsqueeze(1), self._shared)
+        else:  # every row's whole prompt is prefilled
+            logits = torch.zeros(len(rows), 0, device=device)
+        firsts = [
+            r.prefix.logits if not suffix and r.prefix is not None and r.prefix.logits is not None else out
+            for r, suffix, out in zip(rows, suffixes, logits.clone(), strict=True)
+        ]
+        if any(f.numel() == 0 for f in firsts):
+            raise ValueError("a row whose whole prompt is prefilled brings its last logits")
+        logits = torch.stack(firsts)
         joined = [
             _Running(
                 r, TextStream(self._tokenizer, r.request.stop_strings), r.request.generator(device), first
             )
-            for r, first in zip(rows, logits.clone(), strict=True)
+            for r, first in zip(rows, firsts, strict=True)
         ]
         next_position = torch.tensor([len(r.token_ids) for r in rows], device=device)
         if self._cache is None:

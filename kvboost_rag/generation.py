@@ -303,24 +303,26 @@ class Generation:
         cancel: threading.Event | None,
         on_delta: OnDelta | None = None,
     ) -> BatchRow:
-        """A request as a batch row: every chunk but the last prefilled exactly (through the store in
-        exact mode); the last runs with the other rows."""
-        core = self.core
+        """A request as a batch row.
+
+        When every chunk but the last is stored (or there is none), they are laid from the store and
+        the last chunk runs with the other rows' last chunks, one forward for all. When some must be
+        computed, the whole prompt is prefilled as a lone request's is: one forward instead of that
+        one and the batched one, with the lone request's bits (and the same chunks stored).
+        """
+        core, ids = self.core, p.canonical.token_ids
+        store = core.store if p.mode == "exact" else None
+        row = partial(BatchRow, ids, request=p.request, max_new_tokens=p.max_new_tokens, cancelled=cancel)
+        prefix_stored = store is not None and all(store.contains(c.key) for c in chunks[:-1])
+        if len(chunks) > 1 and not prefix_stored:
+            whole = self._prefill(p, True, p.mode != "off", cancel)
+            return row(whole, len(ids), on_delta=on_delta)
         prefix = None
         if len(chunks) > 1:
-            store = core.store if p.mode == "exact" else None
-            capacity = chunks[-1].start
             prefix = core.prefill(
-                p.canonical.token_ids,
-                chunks[:-1],
-                store=store,
-                capacity=capacity,
-                need_logits=False,
-                stop=cancel,
+                ids, chunks[:-1], store=store, capacity=chunks[-1].start, need_logits=False, stop=cancel
             )
-        return BatchRow(
-            p.canonical.token_ids, prefix, chunks[-1].start, p.request, p.max_new_tokens, cancel, on_delta
-        )
+        return row(prefix, chunks[-1].start, on_delta=on_delta)
 
     def _steps(
         self, prepared: Prepared, cancel: threading.Event | None

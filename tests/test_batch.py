@@ -106,7 +106,16 @@ def test_shared_prefix_is_computed_once_and_accounting_adds_up():
     batch = engine.generate_batch(prompts(), max_new_tokens=4)
     # its own chunks, the last one short
     shared = len(engine.canonicalize([SHARED], add_generation_prompt=False))
-    assert batch[0].usage.stored_tokens == shared  # the first row computes and stores it, the others read it
+    # the first row had to compute the shared prefix, so it prefilled as a lone request does (storing its
+    # whole prompt); the others read the prefix and run only their last chunks, together
+    assert (
+        batch[0].usage.stored_tokens
+        == make_engine().generate(prompts()[0], max_new_tokens=1).usage.stored_tokens
+    )
+    assert batch[0].usage.stored_tokens >= shared
+    assert [r.usage.recomputed_tokens for r in batch[1:]] == [
+        r.usage.prompt_tokens - shared for r in batch[1:]
+    ]
     assert [r.usage.cached_tokens for r in batch[1:]] == [shared] * 3
     for r in batch:
         u = r.usage
