@@ -282,6 +282,28 @@ def server_section(data: dict) -> list[str]:
             f"| {lat['p50']:.1f} / {lat['p95']:.1f} / {lat['p99']:.1f} s | {ttft_cell} "
             f"| {100 * r['cached_prompt_share']:.0f} % |"
         )
+    decode, joining = data.get("single_stream_decode"), data.get("joiner_ttft")
+    if decode:
+        stream, hf, ratio = (
+            decode[k]["median"]
+            for k in ("stream_decode_ms_per_token", "hf_generate_decode_ms_per_token", "stream_over_hf")
+        )
+        lines += [
+            "",
+            f"One stream alone ({decode['prompt_tokens']}-token prompt, {decode['new_tokens']} tokens, "
+            f"medians of {decode['stream_over_hf']['n']} side-by-side runs): {stream:.1f} ms/token "
+            f"decoding, HF `generate` {hf:.1f} ms/token on the same model and prompt ({ratio:.2f}x, range "
+            f"{decode['stream_over_hf']['min']:.2f}-{decode['stream_over_hf']['max']:.2f}x).",
+        ]
+    if joining:
+        over = joining["joiner_over_bound"]
+        lines += [
+            "",
+            f"A stream arriving while {joining['running_rows']} others decode gets its first token after "
+            f"{joining['joiner_ttft_s']['median']:.2f} s (lone {joining['lone_ttft_s']['median']:.2f} s, "
+            f"one step {joining['step_s']['median']:.2f} s): {over['median']:.2f}x of 1.5 x lone + one step "
+            f"(range {over['min']:.2f}-{over['max']:.2f}x, {over['n']} runs).",
+        ]
     return lines
 
 
