@@ -126,6 +126,11 @@ class RunningBatch:
     def __len__(self) -> int:
         return len(self._running)
 
+    @property
+    def lone(self) -> bool:
+        """Whether one adopted row decodes on the exact single-request path (no row was admitted yet)."""
+        return self._lone
+
     def adopt(self, row: BatchRow) -> None:
         """Start with one row whose whole prompt is prefilled (``row.prefix``, with its last logits):
         while it runs alone it decodes on the exact single-request path, one token per forward,
@@ -222,6 +227,19 @@ class RunningBatch:
             self._logits = torch.cat([self._logits, logits])
         self._running.extend(joined)
         self._lone = False
+
+    def share(self, tokens: int) -> None:
+        """Keep the first ``tokens`` slots of the lone adopted row once, as the prefix that rows admitted
+        from now on share (``shared_tokens`` becomes ``tokens``); the row decodes as a batch row from
+        the next step. No effect where the assembler cannot share prefixes."""
+        if not self._lone:
+            raise ValueError("share takes the lone adopted row's prefix, before any row is admitted")
+        if not self._assembler.shares_prefixes or tokens == 0:
+            return
+        assert self._cache is not None  # the adopted row's
+        self._shared = self._assembler.share_prefix(self._cache, tokens)
+        self._valid = self._valid[:, tokens:]  # [1, own slots]
+        self.shared_tokens, self._lone = tokens, False
 
     def unshare(self) -> None:
         """Give every running row its own copy of the shared prefix, so that rows without it can join

@@ -411,8 +411,9 @@ class DecodingBatch:
     between its steps (:meth:`admit`), and each one's ``on_outcome`` hook hears of it as it leaves.
 
     A joining request must be able to run in a batch (:meth:`admit` hands back the others). The
-    prefix that the rows share is kept once for all rows until a request without it joins; from then
-    on each row holds its own copy.
+    prefix that the rows share is kept once for all rows (a batch that started with a lone request
+    takes it out of that request's cache when the first rows join) until a request without it
+    joins; from then on each row holds its own copy.
     """
 
     def __init__(self, generation: Generation) -> None:
@@ -420,6 +421,9 @@ class DecodingBatch:
         self._running: RunningBatch | None = None
         self._shared_keys: list[str] = []
         """Keys of the leading chunks that the running rows share (kept once)."""
+        self._lone_keys: list[tuple[str, int]] = []
+        """(key, end) of the lone adopted row's chunks: those that joiners share become the batch's
+        shared prefix."""
 
     def __len__(self) -> int:
         return len(self._running) if self._running is not None else 0
@@ -447,6 +451,8 @@ class DecodingBatch:
         row.on_finish = partial(self._finish, prepared, hooks, row, t_prefill)
         self._running = RunningBatch(core.assembler, core.tokenizer, core.eos_ids, core.lock)
         self._running.adopt(row)
+        chunks = core.chunks(prepared.canonical, prepared.request.cache_salt)
+        self._lone_keys = [(c.key, c.end) for c in chunks]
 
     def admit(self, items: Sequence[tuple[Prepared, Hooks]]) -> list[Prepared]:
         """Prefill these requests' prefixes through the store and their last chunks as one batch; they
@@ -481,13 +487,13 @@ class DecodingBatch:
                 keys.append([(c.key, c.end) for c in chunks[:-1]])
         if not rows:
             return refused
-        if self._running is None:
-            shared = 0  # tokens of the leading chunks that every row has (same keys: same KV)
-            for column in zip(*keys, strict=False):  # up to the shortest prefix
-                if any(key != column[0] for key in column):
-                    break
-                shared = column[0][1]
-            self._running = RunningBatch(core.assembler, core.tokenizer, core.eos_ids, core.lock, shared)
+        if self._running is None or self._running.lone:
+            lone = [self._lone_keys] if self._running is not None else []
+            shared = _common_prefix_tokens(lone + keys)
+            if self._running is None:
+                self._running = RunningBatch(core.assembler, core.tokenizer, core.eos_ids, core.lock, shared)
+            else:  # the lone row's copy of the prefix becomes the batch's one
+                self._running.share(shared)
             held = self._running.shared_tokens
             self._shared_keys = [key for key, end in keys[0] if end <= held]
         try:
@@ -554,3 +560,14 @@ def _result(
     )
     logits = first_logits.clone() if prepared.request.return_logits else None
     return GenerationResult(text, token_ids, finish, usage, timings, logits, reuse_note)
+
+
+def _common_prefix_tokens(keys: Sequence[Sequence[tuple[str, int]]]) -> int:
+    """Tokens of the leading chunks that every row has, from each row's chunk ``(key, end)`` list
+    (the same keys: the same KV)."""
+    shared = 0
+    for column in zip(*keys, strict=False):  # up to the shortest list
+        if any(entry != column[0] for entry in column):
+            break
+        shared = column[0][1]
+    return shared

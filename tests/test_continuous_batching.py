@@ -127,6 +127,34 @@ def test_a_joiner_without_the_shared_prefix_joins_and_the_rows_keep_their_own_co
     assert [r.token_ids for r in joined_results] == [lone(stranger), lone(late)]
 
 
+def test_a_lone_request_shares_its_prefix_with_the_rows_that_join_it(monkeypatch, at_step):
+    shared_at_admission: list[int] = []
+    real_admit = RunningBatch.admit
+
+    def admit(self: RunningBatch, rows) -> None:
+        shared_at_admission.append(self.shared_tokens)
+        real_admit(self, rows)
+
+    monkeypatch.setattr(RunningBatch, "admit", admit)
+    engine = make_engine(batch_window_ms=0)
+    first = Request(prompt(0), max_new_tokens=16)
+    sharer = Request(prompt(1), max_new_tokens=8)
+    stranger = Request(prompt(2, system=OTHER), max_new_tokens=4)  # the rows then keep their own copy
+    joined: list[Future] = []
+    at_step(2, lambda: joined.append(engine.submit(sharer)))
+    at_step(4, lambda: joined.append(engine.submit(stranger)))
+    first_result = engine.submit(first).result(timeout=120)
+    joined_results = [f.result(timeout=120) for f in joined]
+    system_tokens = len(engine.canonicalize([SHARED], add_generation_prompt=False).token_ids)
+    engine.close()
+
+    assert len(shared_at_admission) == 2  # the first request started alone; each arrival joined it
+    assert 0 < shared_at_admission[0] <= system_tokens  # the lone row's copy became the shared one
+    assert shared_at_admission[1] == 0  # the stranger made every row hold its own copy again
+    assert first_result.token_ids == lone(first)
+    assert [r.token_ids for r in joined_results] == [lone(sharer), lone(stranger)]
+
+
 def test_a_joiner_that_must_run_alone_waits_for_the_batch_to_drain(admissions, at_step):
     engine = make_engine(batch_window_ms=300)
     longs = [Request(prompt(i), max_new_tokens=12) for i in (0, 1)]

@@ -1,0 +1,117 @@
+"""Buffered caches start as empty memory: whatever a forward reads must have been written or zeroed.
+
+Unwritten memory is simulated by filling every ``new_empty`` buffer with NaN, which any read of an
+unwritten slot would carry into the outputs.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+from helpers import tiny_model, tiny_tokenizer
+
+from kvboost_rag import EngineConfig, KVBoostEngine, Request, Segment
+from kvboost_rag.assembler import Assembler
+from kvboost_rag.assembler.buffered_cache import BufferedCache, BufferedLayer, buffered_layers
+from kvboost_rag.batch import RunningBatch
+from kvboost_rag.block_attention import KEY_BLOCK
+
+
+def poison(monkeypatch) -> None:
+    """From now on every ``Tensor.new_empty`` is NaN (floating point) or -1 (integer) throughout."""
+    real = torch.Tensor.new_empty
+
+    def new_empty(self: torch.Tensor, *size, **kwargs) -> torch.Tensor:
+        out = real(self, *size, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -1)
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", new_empty)
+
+
+@pytest.fixture
+def poisoned(monkeypatch) -> None:
+    poison(monkeypatch)
+
+
+def test_padded_keys_are_zero_past_the_tokens_held(poisoned):
+    layer = BufferedLayer(capacity=KEY_BLOCK + 10)
+    keys, values = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    layer.pad_keys = True
+    padded_k, padded_v = layer.update(keys, values)
+    assert padded_k.shape[2] == KEY_BLOCK
+    assert torch.equal(padded_k[:, :, :5], keys) and torch.equal(padded_v[:, :, :5], values)
+    assert not padded_k[:, :, 5:].any() and not padded_v[:, :, 5:].any()
+    layer.truncate(3)  # slots after a truncation still hold finite values
+    padded_k, _ = layer.update(keys[:, :, :1], values[:, :, :1])
+    assert torch.isfinite(padded_k).all() and torch.equal(padded_k[:, :, 3], keys[:, :, 0])
+
+
+def _one_row_cache(length: int, capacity: int) -> BufferedCache:
+    cache = BufferedCache(num_layers=2, capacity=capacity)
+    for layer in buffered_layers(cache):
+        layer.update(torch.randn(1, 2, length, 4), torch.randn(1, 2, length, 4))
+    return cache
+
+
+def test_joined_rows_pad_the_shorter_rows_with_zeros(poisoned):
+    running, joining = _one_row_cache(7, 16), _one_row_cache(3, 8)
+    before = [layer.keys.clone() for layer in buffered_layers(joining)]
+    Assembler.join_rows(running, joining, capacity=20)
+    for layer, keys in zip(buffered_layers(running), before, strict=True):
+        assert layer.length == 7 and layer.keys.shape[0] == 2
+        assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+        assert torch.equal(layer.keys[1, :, :3], keys[0]) and not layer.keys[1, :, 3:].any()
+
+
+def test_a_shared_prefix_taken_out_and_put_back_leaves_the_row_as_it_was(poisoned):
+    cache = _one_row_cache(9, 16)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in buffered_layers(cache)]
+    shared = Assembler.share_prefix(cache, 4)
+    assert [layer.length for layer in buffered_layers(cache)] == [5, 5]
+    assert all(k.shape[2] == 4 for k, _ in shared)
+    Assembler.unshare_prefix(cache, shared)
+    for layer, (keys, values) in zip(buffered_layers(cache), before, strict=True):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    with pytest.raises(ValueError, match="one-row cache"):
+        Assembler.share_prefix(cache, 10)
+
+
+SYSTEM = Segment("Stored keys and values are reused for every token of a prompt that comes back. " * 3)
+
+
+def _answers(monkeypatch) -> list[list[int]]:
+    """A lone request; at its second decode step a request with its prefix joins (the lone row's copy
+    becomes the shared one), at its fourth one without it (every row takes its own copy again)."""
+    engine = KVBoostEngine(tiny_model("llama"), tiny_tokenizer(), config=EngineConfig(chunk_size=16))
+    engine.eos_ids = frozenset()
+    first = Request([SYSTEM, Segment("Why?")], max_new_tokens=12)
+    arrivals = {
+        2: Request([SYSTEM, Segment("What is reused?")], max_new_tokens=6),
+        4: Request([Segment("Unrelated words, nothing shared."), Segment("Go")], max_new_tokens=4),
+    }
+    joined: list[Future] = []
+    steps = [0]
+    real_step = RunningBatch.step
+
+    def step(self: RunningBatch) -> bool:
+        going = real_step(self)
+        steps[0] += 1
+        if steps[0] in arrivals:
+            joined.append(engine.submit(arrivals.pop(steps[0])))
+        return going
+
+    monkeypatch.setattr(RunningBatch, "step", step)
+    answers = [engine.submit(first).result(timeout=120).token_ids]
+    answers += [f.result(timeout=120).token_ids for f in joined]
+    engine.close()
+    monkeypatch.setattr(RunningBatch, "step", real_step)
+    return answers
+
+
+def test_prefills_batches_and_joins_never_read_unwritten_memory(monkeypatch):
+    clean = _answers(monkeypatch)
+    assert len(clean) == 3
+    poison(monkeypatch)
+    assert _answers(monkeypatch) == clean
