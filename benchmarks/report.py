@@ -19,6 +19,10 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 DEFAULT_BLEND_MODE = "blend_5"  # EngineConfig.blend_recompute_ratio = 0.05
 
 
+CODEC_APPROXIMATE = {"raw": False, "zstd": False, "int8": True, "int4": True}
+"""Which store codecs are lossy (kvboost_rag.store.codecs)."""
+
+
 def ms(x: float) -> str:
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
 
@@ -220,6 +224,40 @@ def targets(results: dict[str, Any]) -> list[str]:
             f"{worst:.2f}x the floor (worst length)",
             worst <= 1.5,
         )
+    if codecs := results.get("store_codecs"):
+        for res in codecs["results"]:
+            by_mode = {q["mode"]: q for q in res["quality"]}
+            noise = by_mode["exact_reordered"]["answer_agreement"]
+            rows_8k = [
+                r for r in res["ttft"] if r["prompt_tokens"] == max(x["prompt_tokens"] for x in res["ttft"])
+            ]
+            raw = next(r for r in rows_8k if r["codec"] == "raw")
+            if "int8" in by_mode:
+                int8 = next(r for r in rows_8k if r["codec"] == "int8")
+                agree, smaller = (
+                    by_mode["int8"]["answer_agreement"],
+                    raw["bytes_per_token"] / int8["bytes_per_token"],
+                )
+                add(
+                    f"int8 entries agree with exact mode as often as exact mode across orders, at >= 3.5x "
+                    f"fewer bytes ({res['model']})",
+                    f"{100 * agree:.0f} % vs {100 * noise:.0f} %, {smaller:.2f}x fewer bytes",
+                    agree >= noise and smaller >= 3.5,
+                )
+            keeping = [
+                r
+                for r in rows_8k
+                if not CODEC_APPROXIMATE.get(r["codec"], True)
+                or by_mode[r["codec"]]["answer_agreement"] >= noise
+            ]
+            best = max(keeping, key=lambda r: r["cold_over_disk"]["median"])
+            x = best["cold_over_disk"]["median"]
+            add(
+                f"warm TTFT from disk >= 60x cold at {best['prompt_tokens']} tokens, best codec that keeps "
+                f"agreement ({res['model']})",
+                f"{x:.1f}x ({best['codec']})",
+                x >= 60,
+            )
     if ttft := results.get("ttft"):
         worst = max(r["ratios"]["warm_over_hf_prefix_reuse"]["median"] for r in ttft["rows"])
         add("memory tier within 1.2x of HF DynamicCache copy", f"{worst:.2f}x (worst length)", worst <= 1.2)
@@ -307,9 +345,42 @@ def server_section(data: dict) -> list[str]:
     return lines
 
 
+def codecs_section(data: dict) -> list[str]:
+    lines = [
+        "| model | prompt tokens | codec | KiB / token | warm from disk | cold | floor (raw) "
+        "| cold / disk | disk / floor |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    quality = [
+        "",
+        "Answers from lossy entries against exact mode (the blend benchmark's questions; "
+        "`exact_reordered`: exact mode with the passages in another order, the noise level):",
+        "",
+        "| model | entries | questions | answer agreement | same text | first-token KL p50 (IQR) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for res in data["results"]:
+        floors = {r["prompt_tokens"]: r["floor_s"] for r in res["ttft"] if r["codec"] == "raw"}
+        for r in res["ttft"]:
+            floor = floors[r["prompt_tokens"]]["median"]
+            lines.append(
+                f"| {res['model']} | {r['prompt_tokens']} | {r['codec']} | {r['bytes_per_token'] / 1024:.1f} "
+                f"| {ms(r['disk_s']['median'])} | {ms(r['cold_s']['median'])} | {ms(floor)} "
+                f"| {r['cold_over_disk']['median']:.1f}x | {r['disk_s']['median'] / floor:.2f}x |"
+            )
+        for q in res["quality"]:
+            kl = q["kl_first_token"]
+            quality.append(
+                f"| {res['model']} | {q['mode']} | {q['questions']} | {100 * q['answer_agreement']:.0f} % "
+                f"| {100 * q['text_agreement']:.0f} % | {kl['median']:.4f} ({kl['q1']:.4f}-{kl['q3']:.4f}) |"
+            )
+    return lines + quality
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("ttft", "Time to first token vs prompt length, with peers on the same tokens", ttft_section),
     ("disk_ttft", "Disk tier, a fresh process", disk_section),
+    ("store_codecs", "Store codecs: entry size, TTFT from disk, answers from lossy entries", codecs_section),
     (
         "prefix_reuse",
         "Flat prompts sharing a prefix, and a pre-warmed document (exact reuse)",

@@ -58,6 +58,8 @@ WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
             str(RESULTS_DIR / "concurrency-quick.json"),
         ],
     ),
+    # store codecs: entry size, disk-tier TTFT, and answers from lossy entries against exact mode
+    "store_codecs": (["store_codecs.py"], ["store_codecs.py", "--quick"]),
     # `kvboost-rag serve` on loopback: 8 clients for 30 s per request mix, no failures allowed
     "server_load": (
         ["server_load.py"],

@@ -143,7 +143,7 @@ def blend_prefill(
     cached, recomputed, stored = filler.cached, filler.recomputed, filler.stored
     if first_blend is None:
         assert logits is not None
-        return PrefillOutcome(cache, logits, cached, recomputed, stored)
+        return PrefillOutcome(cache, logits, cached, recomputed, stored, filler.approx)
 
     # 2. From the first reusable document on: reused KV (re-rotated), and the tokens to recompute:
     # everything else, the boundary of each reused document, and the most deviating reused tokens.
@@ -182,7 +182,7 @@ def blend_prefill(
     ]
     assembler.append(cache, torch.cat(pieces, dim=3))  # [layers, 2, kv_heads, total - start, dim]
     logits = _recompute(assembler, cache, token_ids, fresh)
-    approx = int((is_reused & ~fresh).sum())
+    approx = int((is_reused & ~fresh).sum()) + filler.approx
     n_fresh = int(fresh.sum())
     return PrefillOutcome(
         cache, logits, cached, recomputed + n_fresh, stored, approx_tokens=approx, select_s=select_s

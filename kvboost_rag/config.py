@@ -15,6 +15,7 @@ DEFAULT_CANONICAL_CHUNK = 1024
 
 ReuseMode = Literal["exact", "blend", "off"]
 PrefillSchedule = Literal["auto", "invariant", "canonical"]
+StoreCodec = Literal["raw", "zstd", "int8", "int4"]
 
 REDACTED = "***"
 
@@ -122,6 +123,13 @@ class EngineConfig(BaseModel):
     from ``KVBOOST_STORE_SECRET`` or ``--store-secret-file``. Costs a hash of every byte read
     (~1.5 GB/s with SHA-NI). Never in dumps or reprs."""
 
+    store_codec: StoreCodec = "raw"
+    """How the disk and Redis tiers write KV (``kvboost_rag.store.codecs``); every codec is read
+    back, so a store may hold several. ``"zstd"``: lossless (byte planes + Zstandard), exact mode
+    stays bitwise. ``"int8"`` / ``"int4"``: approximate (keys per channel, values per token), about
+    3.8x / 7x fewer bytes than float32; their hits count as ``usage.approx_tokens``, never as
+    exact, and a store configured with an exact codec never serves them (they are misses)."""
+
     store_file_mode: int | None = Field(default=0o600, ge=0, le=0o777)
     """Permission bits of the files the disk tier creates (directories get the matching search
     bits: 0o600 -> 0o700). 0o640 or 0o660 lets a group share the store; None leaves it to the umask."""
@@ -173,7 +181,9 @@ class EngineConfig(BaseModel):
     batch_transposed_weights: bool = True
     """On CPU, batched steps multiply by a transposed copy of each linear weight, which BLAS
     runs several times faster for a few rows (an 8-row SmolLM2 decode step: 113 ms against
-    151 ms); costs one extra copy of the linear weights, made at the first batch. False: no copy."""
+    151 ms), and a lone request's decode steps do so for the LM head (a tenth of a SmolLM2
+    step); costs one extra copy of the weights (the LM head's at the first decode step, the
+    others' at the first batch). Prefills never use them. False: no copy."""
 
     stream_buffer_deltas: int = Field(default=4096, ge=1)
     """Most undelivered text deltas a stream may hold while its reader falls behind; past it the

@@ -18,7 +18,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import Cache
@@ -43,7 +43,7 @@ class PrefillOutcome:
     recomputed_tokens: int
     stored_tokens: int
     approx_tokens: int = 0
-    """Tokens whose KV was reused approximately (blend mode)."""
+    """Tokens whose KV was reused approximately (blend mode, or read from a lossy store codec)."""
     select_s: float = 0.0
     """Seconds spent choosing which reused tokens to recompute (blend mode)."""
 
@@ -77,7 +77,10 @@ class CacheFiller:
         self.assembler, self.token_ids, self.chunks, self.cache = assembler, token_ids, chunks, cache
         self.store, self.step_tokens, self.on_computed = store, step_tokens, on_computed
         self.cached: Counter[str] = Counter()
+        """Tokens laid exactly from each tier."""
         self.recomputed = self.stored = 0
+        self.approx = 0
+        """Tokens laid from entries of a lossy codec (approximate reuse, never counted as cached)."""
 
     def fill(
         self,
@@ -138,7 +141,7 @@ class CacheFiller:
         assert logits is not None
         self.recomputed += 1
         if self.store is not None and store_logits:
-            entry = StoredChunk(hit.chunk.kv, logits.clone(), hit.chunk.token_ids, hit.chunk.parent_key)
+            entry = replace(hit.chunk, last_logits=logits.clone())  # approximate KV stays labelled so
             self.store.put(chunk.key, entry, cost=recompute_cost(chunk))
         return logits
 
@@ -149,7 +152,10 @@ class CacheFiller:
             kvs[-1] = kvs[-1][:, :, :, :tokens]
         self.assembler.append(self.cache, kvs)
         for hit, kv in zip(hits, kvs, strict=True):
-            self.cached[hit.tier] += kv.shape[3]
+            if hit.chunk.approximate:
+                self.approx += kv.shape[3]
+            else:
+                self.cached[hit.tier] += kv.shape[3]
 
     def compute(self, first: int, last: int, *, logits: bool, store_logits: bool) -> torch.Tensor | None:
         """Run chunks ``first..last`` (inclusive) over the cache and store them; logits of the last token."""
@@ -217,7 +223,7 @@ def prefill(
     filler = CacheFiller(assembler, token_ids, chunks, cache, store, step_tokens)
     with holding_writes(assembler):
         logits, _ = filler.fill(need_logits=need_logits, store_last_logits=store_last_logits)
-    return PrefillOutcome(cache, logits, filler.cached, filler.recomputed, filler.stored)
+    return PrefillOutcome(cache, logits, filler.cached, filler.recomputed, filler.stored, filler.approx)
 
 
 def decode(

@@ -12,8 +12,8 @@ import functools
 import inspect
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,7 +71,7 @@ class Assembler:
             text, "num_key_value_heads", text.num_attention_heads
         )
         self._transposed_batch_weights = transposed_batch_weights
-        self._transposed: dict[torch.nn.Linear, torch.Tensor] | None = None  # built at the first batch
+        self._transposed: dict[torch.nn.Linear, torch.Tensor] = {}  # [in, out] copies, made on first use
 
     @property
     def attention_kernel(self) -> str:
@@ -144,7 +144,8 @@ class Assembler:
         kwargs = {"input_ids": ids, "position_ids": positions, "use_cache": True, self._cache_kwarg: cache}
         # The LM head runs on the last real row alone, so its kernel is the same whatever the call.
         keep = 1 if rows == n else torch.tensor([n - 1], device=device)
-        with self._forward_lock, self._attention_for(cache, start, rows, invariant=exact_rows):
+        head = self._decode_head() if n == 1 and not exact_rows and logits else nullcontext()
+        with self._forward_lock, self._attention_for(cache, start, rows, invariant=exact_rows), head:
             if not logits:
                 self.model.base_model(**kwargs)
             else:
@@ -205,20 +206,39 @@ class Assembler:
         CPU BLAS multiplies a few rows by a ``[out, in]`` weight read transposed several times
         slower than by an ``[in, out]`` one (576x576 fp32, 8 rows: 0.37 ms against 0.05 ms;
         a whole SmolLM2 decode step of 8 rows: 151 ms against 113 ms). The copies cost the
-        linear weights' size once. Lone requests never come here, so exact mode is untouched;
-        the swap is held under the forward lock only.
+        linear weights' size once. Only batched steps and decode steps come here (see
+        :meth:`_decode_head`), never a prefill, so exact mode's stored KV is untouched; the swap
+        is held under the forward lock only.
         """
+        with self._row_major(m for m in self.model.modules() if type(m) is torch.nn.Linear):
+            yield
+
+    @contextmanager
+    def _decode_head(self) -> Iterator[None]:
+        """On CPU, the LM head of a one-token decode step against a transposed copy of its weight.
+
+        For one row the layers' own products are as fast either way, but the LM head's is not
+        (SmolLM2, 576 -> 49,152: 10.9 ms against 5.2 ms, a tenth of the step). Every decode step
+        of every path goes through here, so a request's tokens are the same whether its prompt
+        was reused or computed.
+        """
+        head = self.model.get_output_embeddings()
+        with self._row_major([head] if type(head) is torch.nn.Linear else []):
+            yield
+
+    @contextmanager
+    def _row_major(self, modules: Iterable[torch.nn.Linear]) -> Iterator[None]:
+        """Inside, ``modules`` multiply by a transposed copy of their weight (made on first use and
+        kept; subclasses such as quantized layers are never passed and keep their own forward)."""
         if not self._transposed_batch_weights or self.device.type != "cpu":
             yield
             return
-        if self._transposed is None:
-            with torch.no_grad():
-                self._transposed = {
-                    m: m.weight.detach().t().contiguous()
-                    for m in self.model.modules()
-                    if type(m) is torch.nn.Linear  # subclasses (quantized layers) keep their own forward
-                }
-        for module, weight_t in self._transposed.items():
+        swapped = list(modules)
+        for module in swapped:
+            weight_t = self._transposed.get(module)
+            if weight_t is None:
+                with torch.no_grad():
+                    weight_t = self._transposed[module] = module.weight.detach().t().contiguous()
             # An instance attribute shadows the class's forward until the del below.
             module.forward = functools.partial(  # type: ignore[method-assign]
                 _row_major_linear, weight_t=weight_t, bias=module.bias
@@ -226,7 +246,7 @@ class Assembler:
         try:
             yield
         finally:
-            for module in self._transposed:
+            for module in swapped:
                 del module.forward
 
     @torch.inference_mode()

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from .codecs import CODECS
+
 if TYPE_CHECKING:
     from ..registry import SharedRecords
 
@@ -29,6 +31,13 @@ class StoredChunk:
     """The chunk's tokens; with ``parent_key`` they let ``verify`` rebuild and recompute any entry."""
     parent_key: str | None = None
     """Prefix key of the chunk before this one (None for a prompt's first chunk)."""
+    codec: str = "raw"
+    """The codec ``kv`` was read back through (:mod:`.codecs`); ``raw``: as computed."""
+
+    @property
+    def approximate(self) -> bool:
+        """``kv`` came back from a lossy codec: reusing it is not exact."""
+        return CODECS[self.codec].approximate
 
     @property
     def num_tokens(self) -> int:

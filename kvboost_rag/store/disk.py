@@ -33,9 +33,10 @@ import diskcache
 from ..config import check_secret
 from ..errors import DamagedStoreError, KVBoostError, StoreError
 from .base import Hit, StoredChunk, TierCounters, TierStats
+from .codecs import codec_named
 from .eviction import Candidate, EvictionPolicy
 from .resilience import RateLimitedWarnings
-from .serialization import CorruptEntryError, Entry, claimed_owner, decode_entry, encode
+from .serialization import CorruptEntryError, Entry, claimed_owner, decode_entry, encode, servable
 from .writer import WriteBehindTier
 
 logger = logging.getLogger(__name__)
@@ -189,6 +190,7 @@ class DiskStore(WriteBehindTier):
         warn_every_s: float = 0.0,
         secret: bytes | None = None,
         file_mode: int | None = 0o600,
+        codec: str = "raw",
     ) -> None:
         """
         Args:
@@ -202,11 +204,14 @@ class DiskStore(WriteBehindTier):
             secret: store secret: entries are signed with it, and read only when signed with it.
             file_mode: permission bits of the files the tier creates (directories: the same
                 plus search bits); 0o640 or 0o660 to share with a group; None: the umask's.
+            codec: how entries are written (:mod:`.codecs`); entries of every codec are read, those
+                of an approximate one only when ``codec`` is approximate too.
         """
         self.directory = Path(directory).expanduser()
         self.namespace = namespace
         self.max_bytes = max_bytes
         self.secret = None if secret is None else check_secret(secret)
+        self.codec = codec_named(codec)
         is_new = not (self.directory / "kv" / "cache.db").exists()
         _check_writable(self.directory)
         if file_mode is not None and is_new:
@@ -254,6 +259,7 @@ class DiskStore(WriteBehindTier):
         try:
             data = self._read(key)
             entry = None if data is None else decode_entry(data, self.namespace, key, secret=self.secret)
+            entry = servable(entry, self.codec)
         except CorruptEntryError as e:
             self._drop_corrupt(key, str(e))
         except (OSError, sqlite3.Error, UnreadablePayloadError) as e:
@@ -434,7 +440,7 @@ class DiskStore(WriteBehindTier):
         if self._disabled_reason is not None:
             return
         try:
-            data = encode(chunk, self.namespace, key, cost, secret=self.secret)
+            data = encode(chunk, self.namespace, key, cost, secret=self.secret, codec=self.codec)
             self._cache.set(key, data)
             self._add_row(key, self.namespace, len(data), chunk.num_tokens, cost, pin)
         except (OSError, sqlite3.OperationalError) as e:

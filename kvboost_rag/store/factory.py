@@ -33,6 +33,7 @@ def open_store(config: EngineConfig, namespace: str, store_dir: str | Path | Non
                 max_bytes=config.max_disk_bytes,
                 secret=config.store_secret_bytes,
                 file_mode=config.store_file_mode,
+                codec=config.store_codec,
             )
             tiers.append(disk)
         if config.redis_url is not None:
@@ -69,4 +70,5 @@ def open_redis(config: EngineConfig, namespace: str) -> KVStore:
         namespace=namespace,
         options=replace(options, **config.redis_options),
         secret=config.store_secret_bytes,
+        codec=config.store_codec,
     )

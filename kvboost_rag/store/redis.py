@@ -43,11 +43,12 @@ import redis
 from ..config import check_secret
 from ..registry import Source
 from .base import Hit, StoredChunk, TierCounters, TierStats
+from .codecs import codec_named
 from .redis_options import RedisOptions, describe
 from .redis_records import RedisRecords
 from .redis_scripts import NamespaceKeys, Scripts
 from .resilience import CircuitBreaker, RateLimitedWarnings
-from .serialization import CorruptEntryError, Entry, decode_entry, encode
+from .serialization import CorruptEntryError, Entry, decode_entry, encode, servable
 from .writer import WriteBehindTier, WriteOp
 
 __all__ = ["RedisOptions", "RedisRecords", "RedisStore"]
@@ -101,6 +102,7 @@ class RedisStore(WriteBehindTier):
         client: redis.Redis | None = None,
         options: RedisOptions | None = None,
         secret: bytes | None = None,
+        codec: str = "raw",
         **settings: Any,
     ) -> None:
         """
@@ -111,12 +113,15 @@ class RedisStore(WriteBehindTier):
             options: the tier's settings (:class:`~.redis_options.RedisOptions`).
             secret: store secret: entries are signed with it, and read only when signed with it
                 (a client of the server that lacks it cannot make this tier serve its KV).
+            codec: how entries are written (:mod:`.codecs`); entries of every codec are read, those
+                of an approximate one only when ``codec`` is approximate too.
             settings: single :class:`~.redis_options.RedisOptions` fields, over ``options``
                 (``ttl_s=60``, ``max_bytes=...``, ``timeout_s=...``).
         """
         if (url is None) == (client is None):
             raise ValueError("pass either a Redis url or a client")
         self.secret = None if secret is None else check_secret(secret)
+        self.codec = codec_named(codec)
         self.options = replace(options or RedisOptions(), **settings)
         o = self.options
         self.namespace = namespace
@@ -149,7 +154,7 @@ class RedisStore(WriteBehindTier):
         try:
             data = self._call("read", lambda: self._client.get(self._keys.entry(key)))
             if data is not None:
-                entry = decode_entry(data, self.namespace, key, secret=self.secret)
+                entry = servable(decode_entry(data, self.namespace, key, secret=self.secret), self.codec)
         except _Unavailable:
             pass
         except (CorruptEntryError, _WrongType) as e:
@@ -338,7 +343,7 @@ class RedisStore(WriteBehindTier):
 
     def _write(self, key: str, chunk: StoredChunk, cost: float, pin: bool) -> None:
         """Store one entry, evicting down to ``max_bytes`` (a queued write)."""
-        data = encode(chunk, self.namespace, key, cost, secret=self.secret)
+        data = encode(chunk, self.namespace, key, cost, secret=self.secret, codec=self.codec)
         now, ttl_ms = time.time(), self.options.ttl_ms
         written = self._attempt(
             "write",

@@ -1,12 +1,13 @@
-"""KV payload format: raw tensor bytes behind a small checked header. Never pickle.
+"""KV payload format: tensor bytes behind a small checked header. Never pickle.
 
 Layout of one entry (little-endian)::
 
     b"KVB2" | u32 header_bytes | header (JSON, UTF-8) | 16-byte XXH3-128 digest | kv bytes | logits bytes
 
-The header names the namespace, the key, shapes, dtypes, the chunk's lineage and its
-recompute cost (kept for eviction when an entry moves between tiers); the digest covers
-the header and the payload. :func:`decode` checks all of them,
+The header names the namespace, the key, shapes, dtypes, the codec of the KV bytes
+(:mod:`.codecs`; raw when absent), the chunk's lineage and its recompute cost (kept for
+eviction when an entry moves between tiers); the digest covers the header and the
+payload. :func:`decode` checks all of them,
 so a corrupt, truncated or foreign entry is refused instead of served. XXH3 runs
 at ~14 GB/s here, so checking costs far less than reading the bytes.
 
@@ -26,6 +27,9 @@ has none. HMAC-SHA256 runs at ~1.5 GB/s here (SHA-NI), so signing is opt-in.
 Traceback (most recent call last):
 ...
 kvboost_rag.store.serialization.CorruptEntryError: signature mismatch (written without this store secret)
+>>> small = decode(encode(chunk, "ns", "k", codec=codec_named("int8")), "ns", "k")
+>>> small.approximate, small.kv.shape == chunk.kv.shape
+(True, True)
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import xxhash
 
 from ..errors import KVBoostError
 from .base import StoredChunk
+from .codecs import RAW, Codec, codec_named, raw_bytes
 
 MAGIC = b"KVB2"
 SIGNED_MAGIC = b"KVS2"
@@ -64,11 +69,7 @@ class Entry(NamedTuple):
     """The recompute cost it was stored with; None for an entry written before costs were stored."""
 
 
-def _raw(t: torch.Tensor) -> memoryview:
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data
-
-
-def _signature(secret: bytes, framing: memoryview | bytes, payload: Iterable[memoryview]) -> bytes:
+def _signature(secret: bytes, framing: memoryview | bytes, payload: Iterable[bytes | memoryview]) -> bytes:
     mac = hmac.new(secret, framing, hashlib.sha256)
     for part in payload:
         mac.update(part)
@@ -76,18 +77,27 @@ def _signature(secret: bytes, framing: memoryview | bytes, payload: Iterable[mem
 
 
 def encode(
-    chunk: StoredChunk, namespace: str, key: str, cost: float = 1.0, *, secret: bytes | None = None
+    chunk: StoredChunk,
+    namespace: str,
+    key: str,
+    cost: float = 1.0,
+    *,
+    secret: bytes | None = None,
+    codec: Codec = RAW,
 ) -> bytes:
-    """The entry's bytes: checked header, then the raw KV and logits; signed with ``secret``."""
-    kv = _raw(chunk.kv)
-    logits = _raw(chunk.last_logits) if chunk.last_logits is not None else memoryview(b"")
+    """The entry's bytes: checked header, then the KV in ``codec`` and the raw logits; signed with
+    ``secret``."""
+    kv = b"".join(codec.encode(chunk.kv)) if codec is not RAW else raw_bytes(chunk.kv)
+    logits = raw_bytes(chunk.last_logits) if chunk.last_logits is not None else memoryview(b"")
     header = {
         "namespace": namespace,
         "key": key,
         "kv_shape": list(chunk.kv.shape),
         "kv_dtype": str(chunk.kv.dtype).removeprefix("torch."),
+        "codec": codec.name,
+        "kv_bytes": len(kv),
         "logits_shape": list(chunk.last_logits.shape) if chunk.last_logits is not None else None,
-        "payload_bytes": kv.nbytes + logits.nbytes,
+        "payload_bytes": len(kv) + logits.nbytes,
         "token_ids": list(chunk.token_ids) if chunk.token_ids is not None else None,
         "parent_key": chunk.parent_key,
         "cost": float(cost),
@@ -124,6 +134,14 @@ def decode_entry(data: object, namespace: str, key: str, *, secret: bytes | None
         raise
     except Exception as e:  # a value crafted or mangled so that even the checks trip: still only a miss
         raise CorruptEntryError(f"undecodable value ({type(e).__name__}: {e})") from e
+
+
+def servable(entry: Entry | None, codec: Codec) -> Entry | None:
+    """``entry``, unless it is approximate and the tier writes with an exact ``codec``: a store is
+    served lossy KV only where a lossy codec was chosen for it (the entry stays; it is a miss)."""
+    if entry is not None and entry.chunk.approximate and not codec.approximate:
+        return None
+    return entry
 
 
 def claimed_owner(data: bytes | bytearray | memoryview) -> tuple[str, str]:
@@ -168,23 +186,23 @@ def _decode(view: memoryview, namespace: str, key: str, secret: bytes | None) ->
         kv_shape, kv_dtype = tuple(header["kv_shape"]), _DTYPES[header["kv_dtype"]]
         logits_shape = header["logits_shape"]
         expected_bytes = int(header["payload_bytes"])
+        codec = codec_named(str(header.get("codec", RAW.name)))  # entries before codecs are raw
+        kv_bytes = int(header.get("kv_bytes", kv_dtype.itemsize * _numel(kv_shape)))
         cost = _cost(header.get("cost"))
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptEntryError(f"unreadable header ({e})") from e
     if header.get("namespace") != namespace or header.get("key") != key:
         raise CorruptEntryError("entry belongs to another namespace or key")
-    kv_bytes = kv_dtype.itemsize * _numel(kv_shape)
     logits_bytes = 4 * _numel(logits_shape) if logits_shape is not None else 0
     if len(payload) != expected_bytes or expected_bytes != kv_bytes + logits_bytes or len(kv_shape) != 5:
         raise CorruptEntryError(f"truncated or malformed payload ({len(payload)} of {expected_bytes} bytes)")
-    buffer = payload if not payload.readonly else bytearray(payload)  # torch needs a writable buffer
-    kv = (
-        torch.frombuffer(buffer, dtype=kv_dtype, count=_numel(kv_shape)).reshape(kv_shape)
-        if kv_bytes
-        else None
-    )
-    if kv is None:
+    if not _numel(kv_shape):
         raise CorruptEntryError("empty KV payload")
+    buffer = payload if not payload.readonly else bytearray(payload)  # torch needs a writable buffer
+    try:
+        kv = codec.decode(memoryview(buffer)[:kv_bytes], kv_shape, kv_dtype)
+    except ValueError as e:
+        raise CorruptEntryError(f"undecodable {codec.name} payload ({e})") from e
     logits = None
     if logits_shape is not None:
         logits = torch.frombuffer(buffer, dtype=torch.float32, offset=kv_bytes).reshape(logits_shape)
@@ -192,7 +210,7 @@ def _decode(view: memoryview, namespace: str, key: str, secret: bytes | None) ->
     if token_ids is not None and len(token_ids) != kv_shape[3]:
         raise CorruptEntryError("token count does not match the KV shape")
     ids = tuple(token_ids) if token_ids is not None else None
-    return Entry(StoredChunk(kv, logits, ids, header.get("parent_key")), cost)
+    return Entry(StoredChunk(kv, logits, ids, header.get("parent_key"), codec.name), cost)
 
 
 def _cost(value: object) -> float | None:
