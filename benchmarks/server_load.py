@@ -12,7 +12,9 @@ client sees it); streamed and non-streamed requests share the engine's batches.
 Recorded: requests, failures (anything but a complete 200 answer; must be 0),
 latency p50/p95/p99 (all requests, and per kind), TTFT p50/p95/p99 (streams),
 throughput (requests/s, generated tokens/s), the share of prompt tokens read from
-the cache, and the server's /metrics counters at the end.
+the cache, and the server's /metrics counters at the end. Before the server starts, a
+fresh interpreter measures single-stream decode ms/token against HF ``generate`` and the
+TTFT of a stream that joins 7 decoding ones (in-process engine, nothing else running).
 
     python benchmarks/server_load.py [--model smollm2-135m-instruct] [--clients 8] [--duration-s 30]
                                      [--max-requests 2000] [--max-tokens 32] [--stream mixed never always]
@@ -29,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -421,6 +424,30 @@ def joiner_ttft(model: Any, tokenizer: Any, system: str, reps: int, running: int
     }
 
 
+def measure_in_process(args: argparse.Namespace, out: Path) -> None:
+    """Single-stream decode against HF ``generate`` and a joiner's TTFT, written to ``out`` as JSON."""
+    from kvboost_rag.models import load_model
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    system = system_prompt(args.system_tokens)
+    decode = single_stream_decode(model, tokenizer, system, 64, 3 if args.quick else 7)
+    print(
+        f"single-stream decode: {decode['stream_decode_ms_per_token']['median']:.1f} ms/token, HF generate "
+        f"{decode['hf_generate_decode_ms_per_token']['median']:.1f} ms/token "
+        f"(stream/HF {decode['stream_over_hf']['median']:.2f}x)",
+        flush=True,
+    )
+    joining = joiner_ttft(model, tokenizer, system, 2 if args.quick else 5)
+    print(
+        f"a stream joining {joining['running_rows']} decoding ones: first delta after "
+        f"{joining['joiner_ttft_s']['median']:.2f} s (lone {joining['lone_ttft_s']['median']:.2f} s, "
+        f"step {joining['step_s']['median']:.2f} s; over 1.5 x lone + step: "
+        f"{joining['joiner_over_bound']['median']:.2f})",
+        flush=True,
+    )
+    out.write_text(json.dumps({"single_stream_decode": decode, "joiner_ttft": joining}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -442,9 +469,22 @@ def main() -> None:
     parser.add_argument("--batch-window-ms", type=float, default=None)
     parser.add_argument("--quick", action="store_true", help="a short system prompt, 2 clients, 10 s")
     parser.add_argument("--out", default=str(RESULTS_DIR / "server_load.json"))
+    parser.add_argument("--in-process-only", type=Path, help=argparse.SUPPRESS)  # the child run by main
     args = parser.parse_args()
     if args.quick:
         args.system_tokens, args.clients, args.duration_s, args.max_tokens = 100, 2, 10.0, 16
+    if args.in_process_only:
+        measure_in_process(args, args.in_process_only)
+        return
+
+    # in a fresh interpreter, before the server starts, so that nothing else runs beside it
+    # and no state left by the load runs (allocator, page cache) skews the per-token figures
+    with tempfile.TemporaryDirectory() as scratch:
+        micro_out = Path(scratch) / "in_process.json"
+        command = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype]
+        command += ["--system-tokens", str(args.system_tokens), "--in-process-only", str(micro_out)]
+        subprocess.run(command + (["--quick"] if args.quick else []), check=True)
+        in_process = json.loads(micro_out.read_text())
 
     port = free_port()
     base_url = f"http://{LOOPBACK}:{port}"
@@ -481,39 +521,19 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             server.kill()
 
-    # with the server gone, so that nothing else runs beside it
-    from kvboost_rag.models import load_model
-
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
-    decode = single_stream_decode(model, tokenizer, system, 64, 3 if args.quick else 7)
-    print(
-        f"single-stream decode: {decode['stream_decode_ms_per_token']['median']:.1f} ms/token, HF generate "
-        f"{decode['hf_generate_decode_ms_per_token']['median']:.1f} ms/token "
-        f"(stream/HF {decode['stream_over_hf']['median']:.2f}x)",
-        flush=True,
-    )
-    joining = joiner_ttft(model, tokenizer, system, 2 if args.quick else 5)
-    print(
-        f"a stream joining {joining['running_rows']} decoding ones: first delta after "
-        f"{joining['joiner_ttft_s']['median']:.2f} s (lone {joining['lone_ttft_s']['median']:.2f} s, "
-        f"step {joining['step_s']['median']:.2f} s; over 1.5 x lone + step: "
-        f"{joining['joiner_over_bound']['median']:.2f})",
-        flush=True,
-    )
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import machine
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings_out = {k: v for k, v in vars(args).items() if k != "out"}
+    settings_out = {k: v for k, v in vars(args).items() if k not in ("out", "in_process_only")}
     out.write_text(
         json.dumps(
             {
                 "machine": machine(),
                 "settings": settings_out,
                 "runs": runs,
-                "single_stream_decode": decode,
-                "joiner_ttft": joining,
+                **in_process,
                 "server_exit_code": server.returncode,
             },
             indent=2,

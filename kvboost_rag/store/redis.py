@@ -23,15 +23,17 @@
   (:class:`~.redis_records.RedisRecords`), so a flat prompt can be split at documents that
   another process pre-warmed.
 
-Only a standalone server (or a primary with replicas) is supported, not Redis Cluster:
-the scripts touch keys of one namespace that may live in different cluster slots.
+- On a Redis Cluster (or a Valkey cluster; ``cluster=True``) a namespace's entries spread over
+  ``cluster_shards`` shards, each in one hash slot with its own records, so every script runs
+  on one node; eviction and pinning hold per shard (:mod:`.redis_scripts`). A node that is
+  down makes its shards' reads misses until it is back, like a standalone server that is down.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import re
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -39,12 +41,14 @@ from functools import partial
 from typing import Any, TypeVar, cast
 
 import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import AskError, ClusterCrossSlotError, ClusterDownError
 
 from ..config import check_secret
 from ..registry import Source
 from .base import Hit, StoredChunk, TierCounters, TierStats
 from .codecs import codec_named
-from .redis_options import RedisOptions, describe
+from .redis_options import RedisOptions, describe, describe_url
 from .redis_records import RedisRecords
 from .redis_scripts import NamespaceKeys, Scripts
 from .resilience import CircuitBreaker, RateLimitedWarnings
@@ -60,6 +64,10 @@ T = TypeVar("T")
 _EXTRA_COUNTERS = ("errors", "corrupt", "skipped", "dropped_writes", "expired")
 """``stats()["redis"].extra``: failed calls, unusable values (counted misses), calls skipped while
 backing off, writes dropped for a full queue, and records of expired entries forgotten."""
+
+
+_CLUSTER_REPLIES = (AskError, ClusterCrossSlotError, ClusterDownError)
+"""What a cluster node answers a client that does not follow the slot map (MOVED is an AskError)."""
 
 
 class _Unavailable(Exception):
@@ -99,7 +107,7 @@ class RedisStore(WriteBehindTier):
         url: str | None = None,
         *,
         namespace: str,
-        client: redis.Redis | None = None,
+        client: redis.Redis | RedisCluster | None = None,
         options: RedisOptions | None = None,
         secret: bytes | None = None,
         codec: str = "raw",
@@ -127,16 +135,27 @@ class RedisStore(WriteBehindTier):
         self.namespace = namespace
         self.key_prefix, self.ttl_s, self.max_bytes = o.key_prefix, o.ttl_s, o.max_bytes
         self.registry_refresh_s = o.registry_refresh_s
+        self._open: Callable[[], redis.Redis | RedisCluster] | None = None
         if client is None:
-            client = o.connect(cast(str, url))  # the check above: a url when there is no client
-        if client.get_connection_kwargs().get("decode_responses"):
-            msg = "the Redis client decodes responses to str; KV payloads need decode_responses=False"
-            raise ValueError(msg)
-        self._client = client
-        self.server = describe(client)
-        """``host:port/db`` of the server, without credentials (for messages)."""
-        self._keys = NamespaceKeys(o.key_prefix, namespace)
-        self._scripts = Scripts(client, self._keys)
+            url = cast(str, url)  # the check above: a url when there is no client
+            o.check_url(url)
+            self.server = describe_url(url)
+            """``host:port/db`` of the server, without credentials (for messages)."""
+            if o.cluster:  # a cluster client reads the slot map as it is made: wait for the first call
+                self._open = partial(o.connect, url)
+            else:
+                client = o.connect(url)
+        else:
+            if client.get_connection_kwargs().get("decode_responses"):
+                msg = "the Redis client decodes responses to str; KV payloads need decode_responses=False"
+                raise ValueError(msg)
+            self.server = describe(client)
+        self.cluster = o.cluster or isinstance(client, RedisCluster)
+        """Whether entries spread over hash-tagged shards for a cluster."""
+        self._client_opened = client
+        self._scripts_made: Scripts | None = None
+        self._open_lock = threading.Lock()
+        self._keys = NamespaceKeys(o.key_prefix, namespace, shards=o.cluster_shards if self.cluster else None)
         self._breaker = CircuitBreaker(o.backoff_s, o.max_backoff_s)
         self._warnings = RateLimitedWarnings(logger, o.warn_every_s)
         self._counters = TierCounters(extra=_EXTRA_COUNTERS)
@@ -204,12 +223,13 @@ class RedisStore(WriteBehindTier):
         """
         self.flush()
         keep = {k.encode() for k in self._keys.registry}
-        pattern = _glob_escape(self._keys.base) + "*"
 
         def delete_all() -> None:
-            doomed = [k for k in self._client.scan_iter(match=pattern, count=1000) if k not in keep]
+            # a cluster client scans every primary
+            found = self._client.scan_iter(match=self._keys.scan_pattern, count=1000)
+            doomed = [k for k in found if k not in keep]
             for i in range(0, len(doomed), 1000):
-                self._client.delete(*doomed[i : i + 1000])
+                self._client.delete(*doomed[i : i + 1000])  # a cluster client splits it by slot
 
         self._attempt("clear", delete_all, None)
 
@@ -222,14 +242,17 @@ class RedisStore(WriteBehindTier):
 
         def read_totals() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
-            pipe.zcard(self._keys.lru)
-            pipe.get(self._keys.bytes)
-            pipe.scard(self._keys.pinned)
+            for shard in self._keys.shards:
+                pipe.zcard(shard.lru)
+                pipe.get(shard.bytes)
+                pipe.scard(shard.pinned)
             return pipe.execute()
 
         try:
-            entries, nbytes, pinned = self._call("stats", read_totals)
-            s.entries, s.bytes, s.pinned = int(entries), int(nbytes or 0), int(pinned)
+            totals = self._call("stats", read_totals)  # (entries, bytes, pins) of each shard in turn
+            s.entries = sum(int(n) for n in totals[0::3])
+            s.bytes = sum(int(n or 0) for n in totals[1::3])
+            s.pinned = sum(int(n) for n in totals[2::3])
         except (_Unavailable, _WrongType, ValueError):
             pass  # the shared totals are unknown while Redis is away; this process's counters stand
         s.extra = self._counters.snapshot().extra  # counted while reading the totals
@@ -288,9 +311,28 @@ class RedisStore(WriteBehindTier):
 
     # -- internals ---------------------------------------------------------------------------
 
+    @property
+    def _client(self) -> redis.Redis | RedisCluster:
+        """The client; a cluster's is made on first use (inside a call, so failing is a miss)."""
+        client = self._client_opened
+        if client is None:
+            with self._open_lock:
+                if self._client_opened is None:
+                    self._client_opened = cast(Callable[[], Any], self._open)()
+                client = self._client_opened
+        return client
+
+    @property
+    def _scripts(self) -> Scripts:
+        scripts = self._scripts_made
+        if scripts is None:
+            scripts = self._scripts_made = Scripts(self._client, self._keys)
+        return scripts
+
     def _release(self) -> None:
-        with contextlib.suppress(Exception):  # closing sockets of a server that went away: nothing to do
-            self._client.close()
+        if self._client_opened is not None:
+            with contextlib.suppress(Exception):  # closing sockets of a server that went away: nothing to do
+                self._client_opened.close()
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """Run one Redis operation; raises :class:`_Unavailable` when skipped or failed."""
@@ -331,6 +373,15 @@ class RedisStore(WriteBehindTier):
     def _failed(self, what: str, e: BaseException) -> None:
         pause = self._breaker.failure()
         self._counters.add("errors")
+        if not self.cluster and isinstance(e, _CLUSTER_REPLIES):
+            self._warnings.warn(
+                "cluster",
+                "redis tier at %s: the server is a Redis Cluster node (%s); "
+                "set redis_options={'cluster': True}",
+                self.server,
+                type(e).__name__,
+            )
+            return
         self._warnings.warn(
             "error",
             "redis tier %s at %s failed (%s: %s); skipping Redis for %.1f s, requests go on without it",
@@ -360,8 +411,3 @@ class RedisStore(WriteBehindTier):
         self._counters.add("corrupt")
         self._warnings.unusable_entry(self.name, key, reason)
         self._writer.submit(self._op("delete", partial(self._scripts.drop, key)))
-
-
-def _glob_escape(text: str) -> str:
-    """``text`` as a literal in a Redis SCAN pattern."""
-    return re.sub(r"([\\*?\[\]])", r"\\\1", text)

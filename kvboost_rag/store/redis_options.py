@@ -8,6 +8,8 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.connection import parse_url
 from redis.retry import Retry
 
 
@@ -57,12 +59,20 @@ class RedisOptions:
     """How often the shared document list is polled."""
     background_writes: bool = True
     """``False`` writes synchronously (tests, tools)."""
+    cluster: bool = False
+    """The URL names a node of a Redis Cluster (or a Valkey cluster): entries spread over
+    ``cluster_shards`` hash-tagged shards, and the client follows the cluster's slot map."""
+    cluster_shards: int = 16
+    """Shards of a namespace on a cluster. Each keeps its own records and evicts within
+    ``max_bytes / cluster_shards``, so keep that share above the largest entry (a chunk)."""
 
     def __post_init__(self) -> None:
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise ValueError(f"ttl_s={self.ttl_s}: pass a positive number of seconds, or None for no expiry")
         if self.max_bytes is not None and self.max_bytes < 0:
             raise ValueError(f"max_bytes={self.max_bytes}: pass a byte budget >= 0, or None for no budget")
+        if self.cluster_shards < 1:
+            raise ValueError(f"cluster_shards={self.cluster_shards}: pass a number of shards >= 1")
 
     @classmethod
     def names(cls) -> frozenset[str]:
@@ -74,38 +84,60 @@ class RedisOptions:
         """The expiry in milliseconds as the scripts take it (0: none)."""
         return 0 if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
 
-    def connect(self, url: str) -> redis.Redis:
-        """A client for ``url`` with these settings (sends nothing yet)."""
+    def _tls_files(self) -> dict[str, str]:
         files = {
             "ssl_ca_certs": self.ssl_ca_certs,
             "ssl_certfile": self.ssl_certfile,
             "ssl_keyfile": self.ssl_keyfile,
         }
-        tls = {name: path for name, path in files.items() if path}
+        return {name: path for name, path in files.items() if path}
+
+    def check_url(self, url: str) -> None:
+        """Raise ValueError, naming the fix, for a URL these settings cannot connect to."""
+        tls = self._tls_files()
         if tls and not url.startswith("rediss://"):
             msg = f"TLS settings ({', '.join(tls)}) need a rediss:// URL; got {url.split('://', 1)[0]}://"
             raise ValueError(msg)
+        try:
+            parse_url(url)
+        except ValueError as e:
+            msg = f"bad Redis URL ({e}); use redis://[[user]:password@]host:port/db or rediss://... for TLS"
+            raise ValueError(msg) from e
+        if (self.client_options or {}).get("decode_responses"):
+            msg = "client_options sets decode_responses; KV payloads need decode_responses=False"
+            raise ValueError(msg)
+
+    def connect(self, url: str) -> redis.Redis | RedisCluster:
+        """A client for ``url`` with these settings. A standalone client sends nothing yet; a cluster
+        client reads the cluster's slot map from the node as it is made (so the store makes it when
+        it is first needed)."""
+        self.check_url(url)
         settings: dict[str, Any] = {
             "socket_connect_timeout": self.connect_timeout_s,
             "socket_timeout": self.timeout_s,
             # No client-side retries: the back-off decides when Redis is tried again, and a
             # retry would multiply the time a request can spend on a dead server.
             "retry": Retry(NoBackoff(), 0),
-            "health_check_interval": 0,
         }
+        if not self.cluster:
+            settings["health_check_interval"] = 0
         if self.password is not None:
             settings["password"] = self.password
-        settings.update(tls)
+        settings.update(self._tls_files())
         settings.update(self.client_options or {})  # the caller's word wins, timeouts included
-        try:
-            return redis.Redis.from_url(url, **settings)
-        except ValueError as e:
-            msg = f"bad Redis URL ({e}); use redis://[[user]:password@]host:port/db or rediss://... for TLS"
-            raise ValueError(msg) from e
+        if self.cluster:
+            return RedisCluster.from_url(url, **settings)
+        return redis.Redis.from_url(url, **settings)
 
 
-def describe(client: redis.Redis) -> str:
+def describe(client: redis.Redis | RedisCluster) -> str:
     """``host:port/db`` of a client's server, without credentials (for messages)."""
     kw = client.get_connection_kwargs()
     where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
     return f"{where}/{kw.get('db', 0)}"
+
+
+def describe_url(url: str) -> str:
+    """``host:port/db`` of a URL, without credentials; raises ValueError for a URL redis-py refuses."""
+    kw = parse_url(url)
+    return f"{kw.get('host', '?')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"

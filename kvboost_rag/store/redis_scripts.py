@@ -1,18 +1,22 @@
 """The Redis tier's key layout, and the Lua scripts that keep its bookkeeping consistent with the payloads.
 
-Keys of one namespace start with ``{key_prefix}:{namespace}:``; an entry's payload is at that base
-plus the prefix key. Beside them, bookkeeping keys hold entry sizes (``#sizes``, a hash), last
-access times (``#lru``, a sorted set), the byte total (``#bytes``) and the pins (``#pinned``, a set),
-and the shared registry records: document texts (``#docs``, a list, and ``#doc-ids``, the set of
+A namespace's entries live in shards (one on a standalone server, ``cluster_shards`` on a
+cluster; :class:`NamespaceKeys`). An entry's payload is at its shard's base plus the prefix key.
+Beside them, each shard's bookkeeping keys hold entry sizes (``#sizes``, a hash), last access
+times (``#lru``, a sorted set), the byte total (``#bytes``) and the pins (``#pinned``, a set).
+The shared registry records are document texts (``#docs``, a list, and ``#doc-ids``, the set of
 their digests) and blend sources (``#sources``, a hash). ``#`` never starts a prefix key (hex),
 so they cannot collide with entries.
 
-Each script runs atomically on the server, so the records stay right whichever process writes.
+Each script runs atomically on the server and touches the keys of one shard only (one slot on a
+cluster), so the records stay right whichever process writes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,21 +123,19 @@ return added
 """
 
 
-class NamespaceKeys:
-    """The Redis key names of one namespace.
+class ShardKeys:
+    """The keys of one shard: the payloads of the entries that map to it, and their bookkeeping.
 
-    >>> keys = NamespaceKeys("kvboost", "ns")
-    >>> keys.entry("ab12"), keys.lru
-    ('kvboost:ns:ab12', 'kvboost:ns:#lru')
+    Every key of a shard starts with ``base``, so on a cluster they share one hash slot and a
+    script may touch any of them.
     """
 
-    def __init__(self, key_prefix: str, namespace: str) -> None:
-        self.base = f"{key_prefix}:{namespace}:"
-        """What every key of the namespace starts with; an entry's payload key is ``base + key``."""
+    def __init__(self, base: str) -> None:
+        self.base = base
+        """What every key of the shard starts with; an entry's payload key is ``base + key``."""
         self.sizes, self.lru, self.bytes, self.pinned = (
-            self.base + n for n in ("#sizes", "#lru", "#bytes", "#pinned")
+            base + n for n in ("#sizes", "#lru", "#bytes", "#pinned")
         )
-        self.docs, self.doc_ids, self.sources = (self.base + n for n in ("#docs", "#doc-ids", "#sources"))
 
     def entry(self, key: str) -> str:
         return self.base + key
@@ -141,6 +143,55 @@ class NamespaceKeys:
     def entry_records(self, key: str) -> list[str]:
         """The keys a write or a delete of one entry touches: payload, sizes, lru, bytes, pinned."""
         return [self.entry(key), self.sizes, self.lru, self.bytes, self.pinned]
+
+
+class NamespaceKeys:
+    """The Redis key names of one namespace.
+
+    On a standalone server (``shards=None``) the namespace is one shard whose keys start with
+    ``{key_prefix}:{namespace}:``:
+
+    >>> keys = NamespaceKeys("kvboost", "ns")
+    >>> keys.entry("ab12"), keys.shard("ab12").lru
+    ('kvboost:ns:ab12', 'kvboost:ns:#lru')
+
+    On a cluster, entries spread over ``shards`` shards by a hash of their key. A shard's keys
+    start with a hash tag of its own (a digest of the namespace and the shard's number, in
+    braces, first, so that no brace in the prefix or the namespace can move it): the cluster
+    keeps each shard in one slot and spreads the shards over its nodes. The registry records
+    have a tag of their own.
+
+    >>> keys = NamespaceKeys("kvboost", "ns", shards=16)
+    >>> keys.entry("ab12")
+    '{a5f54319.6}kvboost:ns:ab12'
+    >>> keys.docs
+    '{a5f54319.r}kvboost:ns:#docs'
+    """
+
+    def __init__(self, key_prefix: str, namespace: str, *, shards: int | None = None) -> None:
+        name = f"{key_prefix}:{namespace}:"
+        if shards is None:
+            self.shards: tuple[ShardKeys, ...] = (ShardKeys(name),)
+            registry_base = name
+            self.scan_pattern = _glob_escape(name) + "*"
+        else:
+            if shards < 1:
+                raise ValueError(f"shards={shards}: a cluster namespace needs at least one shard")
+            tag = hashlib.sha256(name.encode()).hexdigest()[:8]
+            self.shards = tuple(ShardKeys(f"{{{tag}.{s}}}{name}") for s in range(shards))
+            registry_base = f"{{{tag}.r}}{name}"
+            self.scan_pattern = f"{{{tag}.*}}{_glob_escape(name)}*"
+        """A SCAN pattern that matches every key of the namespace (and no other namespace's)."""
+        self.docs, self.doc_ids, self.sources = (registry_base + n for n in ("#docs", "#doc-ids", "#sources"))
+
+    def shard(self, key: str) -> ShardKeys:
+        """The shard that holds entry ``key``."""
+        if len(self.shards) == 1:
+            return self.shards[0]
+        return self.shards[zlib.crc32(key.encode()) % len(self.shards)]
+
+    def entry(self, key: str) -> str:
+        return self.shard(key).entry(key)
 
     @property
     def registry(self) -> tuple[str, ...]:
@@ -167,31 +218,42 @@ class Scripts:
         self, key: str, data: bytes, *, now: float, ttl_ms: int, pin: bool, max_bytes: int | None
     ) -> tuple[int, int]:
         """Store a payload and its records, evicting down to ``max_bytes``; returns (evicted, expired)."""
-        limit = -1 if max_bytes is None else max_bytes
-        args = [data, key, now, ttl_ms, int(pin), limit, self.keys.base]
-        evicted, expired = self._put(keys=self.keys.entry_records(key), args=args)
+        shard = self.keys.shard(key)
+        # each shard evicts within its share of the budget: a script sees the keys of one shard only
+        limit = -1 if max_bytes is None else max_bytes // len(self.keys.shards)
+        args = [data, key, now, ttl_ms, int(pin), limit, shard.base]
+        evicted, expired = self._put(keys=shard.entry_records(key), args=args)
         return int(evicted), int(expired)
 
     def touch(self, key: str, *, now: float, ttl_ms: int) -> bool:
         """Renew an entry's access time (and expiry, unless pinned); False when it is gone."""
-        keys = [self.keys.entry(key), self.keys.lru, self.keys.pinned]
-        return bool(self._touch(keys=keys, args=[key, now, ttl_ms]))
+        shard = self.keys.shard(key)
+        return bool(self._touch(keys=[shard.entry(key), shard.lru, shard.pinned], args=[key, now, ttl_ms]))
 
     def pin(self, key: str, pinned: bool, *, ttl_ms: int) -> bool:
         """Pin (no expiry, never evicted) or unpin an entry; returns whether it exists."""
-        keys = [self.keys.entry(key), self.keys.pinned]
-        return bool(self._pin(keys=keys, args=[key, int(pinned), ttl_ms]))
+        shard = self.keys.shard(key)
+        return bool(self._pin(keys=[shard.entry(key), shard.pinned], args=[key, int(pinned), ttl_ms]))
 
     def drop(self, key: str) -> int:
         """Delete an entry and its records; returns the bytes it was recorded with."""
-        return int(self._drop(keys=self.keys.entry_records(key), args=[key]))
+        return int(self._drop(keys=self.keys.shard(key).entry_records(key), args=[key]))
 
     def reap(self, cutoff: float, limit: int) -> int:
-        """Forget the records of entries read last before ``cutoff`` whose payload expired; how many went."""
-        keys = [self.keys.sizes, self.keys.lru, self.keys.bytes]
-        return int(self._reap(keys=keys, args=[cutoff, self.keys.base, limit]))
+        """Forget the records of entries read last before ``cutoff`` whose payload expired (at most
+        ``limit`` looked at per shard); how many went."""
+        gone = 0
+        for shard in self.keys.shards:
+            keys = [shard.sizes, shard.lru, shard.bytes]
+            gone += int(self._reap(keys=keys, args=[cutoff, shard.base, limit]))
+        return gone
 
     def add_documents(self, texts: Sequence[str]) -> int:
         """Append the texts not listed yet to the shared document list; returns how many were new."""
         args = [x for text in texts for x in (hashlib.sha256(text.encode()).hexdigest(), text)]
         return int(self._add_documents(keys=[self.keys.docs, self.keys.doc_ids], args=args))
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis SCAN pattern."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)

@@ -8,8 +8,6 @@ Every test runs its own ``redis-server`` on a free local port; the binary comes 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -29,6 +27,8 @@ from kvboost_rag.store.serialization import encode
 from kvboost_rag.store.tiered import TieredStore
 
 redis = pytest.importorskip("redis")
+from redis_servers import RedisServer, free_port  # noqa: E402
+
 from kvboost_rag.store.redis import RedisStore  # noqa: E402  (after the skip when redis-py is absent)
 from kvboost_rag.store.redis_options import RedisOptions  # noqa: E402
 
@@ -54,70 +54,6 @@ OTHER_DOCUMENT = (
 
 
 # -- servers -----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A throwaway ``redis-server`` on 127.0.0.1: no persistence, killed at the end."""
-
-    def __init__(self, binary: str, directory, *extra: str) -> None:
-        self.binary, self.directory, self.extra = binary, directory, extra
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        cmd = [
-            self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self.directory),
-            *self.extra,
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    reply = s.recv(64)
-                    if reply.startswith((b"+PONG", b"-NOAUTH")):  # up (a password-protected one says NOAUTH)
-                        return self
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
-            time.sleep(0.02)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
-@pytest.fixture(scope="session")
-def redis_binary() -> str:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("redis-server is not installed; make setup installs it when run as root")
-        pytest.skip("redis-server is not installed (apt-get install redis-server, or run make test as root)")
-    return binary
 
 
 @pytest.fixture
