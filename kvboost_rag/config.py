@@ -150,7 +150,8 @@ class EngineConfig(BaseModel):
 
     redis_options: dict[str, Any] = Field(default_factory=dict, repr=False)
     """More :class:`~kvboost_rag.store.redis.RedisStore` arguments: ``password``, ``ssl_ca_certs``,
-    ``ssl_certfile``, ``ssl_keyfile``, ``client_options``, ``connect_timeout_s``, ``timeout_s``, ..."""
+    ``ssl_certfile``, ``ssl_keyfile``, ``client_options``, ``connect_timeout_s``, ``timeout_s``,
+    ``cluster`` (a Redis Cluster), ..."""
 
     reuse: ReuseMode = "exact"
     """``exact``: reuse chunks under their prefix key (zero loss). ``blend``: also reuse pre-warmed
