@@ -231,16 +231,13 @@ def targets(results: dict[str, Any]) -> list[str]:
             rows_8k = [
                 r for r in res["ttft"] if r["prompt_tokens"] == max(x["prompt_tokens"] for x in res["ttft"])
             ]
-            raw = next(r for r in rows_8k if r["codec"] == "raw")
-            if "int8" in by_mode:
+            float32 = float32_kv_bytes_per_token(res["model"])
+            if "int8" in by_mode and float32 is not None:
                 int8 = next(r for r in rows_8k if r["codec"] == "int8")
-                agree, smaller = (
-                    by_mode["int8"]["answer_agreement"],
-                    raw["bytes_per_token"] / int8["bytes_per_token"],
-                )
+                agree, smaller = by_mode["int8"]["answer_agreement"], float32 / int8["bytes_per_token"]
                 add(
                     f"int8 entries agree with exact mode as often as exact mode across orders, at >= 3.5x "
-                    f"fewer bytes ({res['model']})",
+                    f"fewer bytes than float32 KV ({res['model']})",
                     f"{100 * agree:.0f} % vs {100 * noise:.0f} %, {smaller:.2f}x fewer bytes",
                     agree >= noise and smaller >= 3.5,
                 )
@@ -345,6 +342,22 @@ def server_section(data: dict) -> list[str]:
     return lines
 
 
+def float32_kv_bytes_per_token(model: str) -> int | None:
+    """``2 x layers x KV heads x head dim x 4`` bytes, from the model's config (None when unreadable)."""
+    try:
+        from transformers import AutoConfig
+
+        from kvboost_rag.models import resolve_model
+
+        config = AutoConfig.from_pretrained(resolve_model(model))
+    except (ImportError, OSError, ValueError):
+        return None
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * 4
+
+
 def codecs_section(data: dict) -> list[str]:
     lines = [
         "| model | prompt tokens | codec | KiB / token | warm from disk | cold | floor (raw) "
@@ -359,14 +372,19 @@ def codecs_section(data: dict) -> list[str]:
         "| model | entries | questions | answer agreement | same text | first-token KL p50 (IQR) |",
         "|---|---|---:|---:|---:|---:|",
     ]
+    # Runs before floor_laid_bytes was recorded timed the floor's prefill with a decode step and beside
+    # the disk tier's queued writes: not a floor, so not shown.
+    floor_known = all("floor_laid_bytes" in r for res in data["results"] for r in res["ttft"])
     for res in data["results"]:
         floors = {r["prompt_tokens"]: r["floor_s"] for r in res["ttft"] if r["codec"] == "raw"}
         for r in res["ttft"]:
             floor = floors[r["prompt_tokens"]]["median"]
+            floor_cells = f"{ms(floor)} | " if floor_known else "- | "
+            ratio = f"{r['disk_s']['median'] / floor:.2f}x" if floor_known else "-"
             lines.append(
                 f"| {res['model']} | {r['prompt_tokens']} | {r['codec']} | {r['bytes_per_token'] / 1024:.1f} "
-                f"| {ms(r['disk_s']['median'])} | {ms(r['cold_s']['median'])} | {ms(floor)} "
-                f"| {r['cold_over_disk']['median']:.1f}x | {r['disk_s']['median'] / floor:.2f}x |"
+                f"| {ms(r['disk_s']['median'])} | {ms(r['cold_s']['median'])} | {floor_cells}"
+                f"{r['cold_over_disk']['median']:.1f}x | {ratio} |"
             )
         for q in res["quality"]:
             kl = q["kl_first_token"]
@@ -374,7 +392,41 @@ def codecs_section(data: dict) -> list[str]:
                 f"| {res['model']} | {q['mode']} | {q['questions']} | {100 * q['answer_agreement']:.0f} % "
                 f"| {100 * q['text_agreement']:.0f} % | {kl['median']:.4f} ({kl['q1']:.4f}-{kl['q3']:.4f}) |"
             )
-    return lines + quality
+    if not floor_known:
+        lines += [
+            "",
+            "(This run's floor was not measured right; `disk_ttft.py` gives the floor at 2K and 8K.)",
+        ]
+    return lines + quality + sizing_rows(data)
+
+
+DOCUMENT_TOKENS = 500
+"""Document length of the sizing table's documents-per-GB column."""
+
+
+def sizing_rows(data: dict) -> list[str]:
+    """Per model and codec, at the longest prompt measured: entry bytes, documents per GB, and how fast
+    the disk tier lays tokens (page cache warm)."""
+    lines = [
+        "",
+        f"Sizing, at the longest prompt above (documents of {DOCUMENT_TOKENS} tokens; tokens laid per "
+        "second: reused tokens over the warm TTFT from disk, compute included):",
+        "",
+        "| model | codec | KiB / token | smaller than raw | documents per GB | tokens laid / s from disk |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for res in data["results"]:
+        longest = max(r["prompt_tokens"] for r in res["ttft"])
+        rows = [r for r in res["ttft"] if r["prompt_tokens"] == longest]
+        raw = next(r for r in rows if r["codec"] == "raw")
+        for r in rows:
+            per_gb = 1e9 / (r["bytes_per_token"] * DOCUMENT_TOKENS)
+            lines.append(
+                f"| {res['model']} | {r['codec']} | {r['bytes_per_token'] / 1024:.1f} "
+                f"| {raw['bytes_per_token'] / r['bytes_per_token']:.2f}x | {per_gb:,.0f} "
+                f"| {r['reused_tokens'] / r['disk_s']['median']:,.0f} |"
+            )
+    return lines
 
 
 SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [

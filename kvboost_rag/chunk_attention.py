@@ -115,7 +115,9 @@ def _merge_past_and_block(
     return merge_partial_softmax(out_past, lse_past, out_block, lse_block).to(query.dtype)
 
 
-def _one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+def _one_query(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None
+) -> torch.Tensor:
     """One query per head (``[B, H, 1, D]``) over every key, the heads of each KV group folded into the
     query axis (``[B, KV, groups, D]``): the group's keys are read once, in place. On CPU this is
     several times faster than SDPA's grouped-query path for one token (SmolLM2, 986 keys, bfloat16:

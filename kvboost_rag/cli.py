@@ -11,8 +11,9 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
+from .config import StoreCodec
 from .errors import (
     DamagedStoreError,
     InvalidRequestError,
@@ -75,6 +76,13 @@ def _add_store_security_args(p: argparse.ArgumentParser) -> None:
         help="permission bits of new store files, in octal (default: 600, directories 700; "
         "640 or 660 to share the store with a group)",
     )
+    p.add_argument(
+        "--store-codec",
+        choices=get_args(StoreCodec),
+        default="raw",
+        help="how new entries are written: raw (default), zstd (lossless), int8 or int4 (approximate: "
+        "counted as approx_tokens, and served only by stores that chose a lossy codec)",
+    )
 
 
 def _store_secret(args: argparse.Namespace) -> str | None:
@@ -99,6 +107,7 @@ def _engine(args: argparse.Namespace, store_dir: str | None) -> Any:
         overrides["store_secret"] = secret
     if hasattr(args, "store_file_mode"):
         overrides["store_file_mode"] = args.store_file_mode
+        overrides["store_codec"] = args.store_codec
     if getattr(args, "redis_url", None):
         overrides["redis_url"] = args.redis_url
     if getattr(args, "batch_window_ms", None) is not None:

@@ -183,6 +183,30 @@ def test_cli_prewarms_and_generates_for_one_tenant(model_dir, tmp_path):
     assert cached("--cache-salt", "t-a") > 0
 
 
+def test_cli_store_codec_writes_approximate_entries_only_lossy_stores_serve(model_dir, tmp_path):
+    doc = essay_paragraphs(1, max_chars=600)[0]
+    (tmp_path / "doc.txt").write_text(doc)
+    common = model_and_store(model_dir, tmp_path / "store")
+    done = cli(
+        "prewarm", str(tmp_path / "doc.txt"), *common, "--prefix", PREFIX, "--store-codec", "int8", "--quiet"
+    )
+    assert done.returncode == 0, done.stderr
+
+    def usage(*codec: str) -> dict:
+        out = cli(
+            "generate", "--raw", PREFIX + doc + QUESTION, *common, "--max-new-tokens", "1", "--json", *codec
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["usage"]
+
+    lossy = usage("--store-codec", "int8")
+    assert lossy["approx_tokens"] > 0 and lossy["cached_tokens"] == 0
+    exact = usage()  # a raw store never serves the int8 entries
+    assert exact["approx_tokens"] == 0 and exact["cached_tokens"] == 0
+    bad = cli("generate", "--raw", "hi", *common, "--store-codec", "int3")
+    assert bad.returncode != 0 and "int4" in bad.stderr
+
+
 SYSTEM = "Answer from the documents."
 
 
