@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -163,46 +164,38 @@ def test_cli_errors_have_exit_codes(tmp_path, capsys):
     assert code == 2 and "not a folder" in err
 
 
-def test_cli_prewarms_and_generates_for_one_tenant(model_dir, tmp_path):
+def prewarmed_document(model_dir, tmp_path, *flags: str) -> Callable[..., dict]:
+    """Pre-warm one essay paragraph through the CLI with ``flags``; returns a function that asks about
+    it through ``kvboost-rag generate`` (with further flags) and returns the usage."""
     doc = essay_paragraphs(1, max_chars=600)[0]
     (tmp_path / "doc.txt").write_text(doc)
     common = model_and_store(model_dir, tmp_path / "store")
-    done = cli(
-        "prewarm", str(tmp_path / "doc.txt"), *common, "--prefix", PREFIX, "--cache-salt", "t-a", "--quiet"
-    )
+    done = cli("prewarm", str(tmp_path / "doc.txt"), *common, "--prefix", PREFIX, *flags, "--quiet")
     assert done.returncode == 0, done.stderr
 
-    def cached(*salt: str) -> int:
+    def usage(*more: str) -> dict:
         out = cli(
-            "generate", "--raw", PREFIX + doc + QUESTION, *common, "--max-new-tokens", "1", "--json", *salt
-        )
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)["usage"]["cached_tokens"]
-
-    assert cached("--cache-salt", "t-b") == 0 and cached() == 0
-    assert cached("--cache-salt", "t-a") > 0
-
-
-def test_cli_store_codec_writes_approximate_entries_only_lossy_stores_serve(model_dir, tmp_path):
-    doc = essay_paragraphs(1, max_chars=600)[0]
-    (tmp_path / "doc.txt").write_text(doc)
-    common = model_and_store(model_dir, tmp_path / "store")
-    done = cli(
-        "prewarm", str(tmp_path / "doc.txt"), *common, "--prefix", PREFIX, "--store-codec", "int8", "--quiet"
-    )
-    assert done.returncode == 0, done.stderr
-
-    def usage(*codec: str) -> dict:
-        out = cli(
-            "generate", "--raw", PREFIX + doc + QUESTION, *common, "--max-new-tokens", "1", "--json", *codec
+            "generate", "--raw", PREFIX + doc + QUESTION, *common, "--max-new-tokens", "1", "--json", *more
         )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)["usage"]
 
+    return usage
+
+
+def test_cli_prewarms_and_generates_for_one_tenant(model_dir, tmp_path):
+    usage = prewarmed_document(model_dir, tmp_path, "--cache-salt", "t-a")
+    assert usage("--cache-salt", "t-b")["cached_tokens"] == 0 and usage()["cached_tokens"] == 0
+    assert usage("--cache-salt", "t-a")["cached_tokens"] > 0
+
+
+def test_cli_store_codec_writes_approximate_entries_only_lossy_stores_serve(model_dir, tmp_path):
+    usage = prewarmed_document(model_dir, tmp_path, "--store-codec", "int8")
     lossy = usage("--store-codec", "int8")
     assert lossy["approx_tokens"] > 0 and lossy["cached_tokens"] == 0
     exact = usage()  # a raw store never serves the int8 entries
     assert exact["approx_tokens"] == 0 and exact["cached_tokens"] == 0
+    common = model_and_store(model_dir, tmp_path / "store")
     bad = cli("generate", "--raw", "hi", *common, "--store-codec", "int3")
     assert bad.returncode != 0 and "int4" in bad.stderr
 
