@@ -482,6 +482,8 @@ def block() -> list[str]:
             ]
             if name == "ttft":
                 lines += ["![TTFT vs prompt length](docs/benchmarks/ttft.png)", ""]
+            if name == "server_load" and (BENCH / "server_load.png").exists():
+                lines += ["![The server under load](docs/benchmarks/server_load.png)", ""]
     lines.append(END)
     return lines
 

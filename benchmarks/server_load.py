@@ -539,9 +539,46 @@ def main() -> None:
             indent=2,
         )
     )
-    print(f"wrote {out}")
+    plot(json.loads(out.read_text()), out.with_suffix(".png"))
+    print(f"wrote {out} and .png")
     if any(run["result"]["failures"] for run in runs):
         sys.exit(1)
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Requests/s and stream TTFT per mix, and single-stream decode against HF ``generate``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (rate_ax, ttft_ax, decode_ax) = plt.subplots(1, 3, figsize=(13, 4))
+    mixes = [run["stream"] for run in data["runs"]]
+    rate_ax.bar(mixes, [run["result"]["requests_per_s"] for run in data["runs"]], color="tab:blue")
+    rate_ax.set_ylabel("requests / s")
+    rate_ax.set_title(f"{data['settings']['clients']} clients")
+    streamed = [run for run in data["runs"] if (run["result"].get("ttft_stream_s") or {}).get("n")]
+    for q, offset in (("p50", -0.2), ("p95", 0.2)):
+        ttft_ax.bar(
+            [i + offset for i in range(len(streamed))],
+            [run["result"]["ttft_stream_s"][q] for run in streamed],
+            0.4,
+            label=q,
+        )
+    ttft_ax.set_xticks(range(len(streamed)), [run["stream"] for run in streamed])
+    ttft_ax.set_ylabel("stream TTFT (s)")
+    ttft_ax.legend(fontsize=8)
+    if decode := data.get("single_stream_decode"):
+        keys = ("stream_decode_ms_per_token", "hf_generate_decode_ms_per_token")
+        medians = [decode[k]["median"] for k in keys]
+        spreads = [[m - decode[k]["min"] for m, k in zip(medians, keys, strict=True)]]
+        spreads.append([decode[k]["max"] - m for m, k in zip(medians, keys, strict=True)])
+        decode_ax.bar(["engine stream", "HF generate"], medians, yerr=spreads, capsize=4, color="tab:green")
+        decode_ax.set_ylabel("decode ms / token (median, min-max)")
+        decode_ax.set_title(f"one stream, {decode['prompt_tokens']}-token prompt")
+    fig.suptitle("kvboost-rag serve under load (loopback)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _quantiles(stats: dict[str, float] | None) -> str:
