@@ -527,19 +527,15 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings_out = {k: v for k, v in vars(args).items() if k not in ("out", "in_process_only")}
-    out.write_text(
-        json.dumps(
-            {
-                "machine": machine(),
-                "settings": settings_out,
-                "runs": runs,
-                **in_process,
-                "server_exit_code": server.returncode,
-            },
-            indent=2,
-        )
-    )
-    plot(json.loads(out.read_text()), out.with_suffix(".png"))
+    result = {
+        "machine": machine(),
+        "settings": settings_out,
+        "runs": runs,
+        **in_process,
+        "server_exit_code": server.returncode,
+    }
+    out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
     print(f"wrote {out} and .png")
     if any(run["result"]["failures"] for run in runs):
         sys.exit(1)

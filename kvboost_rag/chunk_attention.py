@@ -121,7 +121,8 @@ def _one_query(
     """One query per head (``[B, H, 1, D]``) over every key, the heads of each KV group folded into the
     query axis (``[B, KV, groups, D]``): the group's keys are read once, in place. On CPU this is
     several times faster than SDPA's grouped-query path for one token (SmolLM2, 986 keys, bfloat16:
-    0.16 ms against 0.72 ms a layer, the same bits)."""
+    0.16 ms against 0.72 ms a layer; the same bits in bfloat16 at the sizes checked, 1 to 4,097 keys,
+    and within ~1e-7 in float32)."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     folded = query.reshape(batch, kv_heads, heads // kv_heads, dim)

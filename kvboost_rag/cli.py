@@ -61,7 +61,7 @@ def _octal_mode(text: str) -> int:
     return mode
 
 
-def _add_store_security_args(p: argparse.ArgumentParser) -> None:
+def _add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store-secret-file",
         default=os.environ.get("KVBOOST_STORE_SECRET_FILE"),
@@ -105,9 +105,9 @@ def _engine(args: argparse.Namespace, store_dir: str | None) -> Any:
     secret = _store_secret(args)
     if secret is not None:
         overrides["store_secret"] = secret
-    if hasattr(args, "store_file_mode"):
-        overrides["store_file_mode"] = args.store_file_mode
-        overrides["store_codec"] = args.store_codec
+    for name in ("store_file_mode", "store_codec"):  # the commands that open a store take both
+        if hasattr(args, name):
+            overrides[name] = getattr(args, name)
     if getattr(args, "redis_url", None):
         overrides["redis_url"] = args.redis_url
     if getattr(args, "batch_window_ms", None) is not None:
@@ -123,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the user message (or raw prompt with --raw); '-' reads standard input")
     _add_model_args(gen)
     gen.add_argument("--store", default=None, help="KV store directory (default: memory only)")
-    _add_store_security_args(gen)
+    _add_store_args(gen)
     _add_redis_args(gen)
     gen.add_argument("--system", default=None, help="system prompt")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model_args(pre)
     pre.add_argument("--store", default=_default_store(), help="KV store directory (default: %(default)s)")
-    _add_store_security_args(pre)
+    _add_store_args(pre)
     _add_redis_args(pre)
     group = pre.add_mutually_exclusive_group()
     group.add_argument(
@@ -182,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ver = sub.add_parser("verify", help="check every entry; optionally recompute a sample bitwise")
     ver.add_argument("--store", default=_default_store())
-    _add_store_security_args(ver)
+    _add_store_args(ver)
     ver.add_argument(
         "--sample", type=int, default=0, help="entries to recompute with --model and compare bitwise"
     )
@@ -190,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
 
     gc = sub.add_parser("gc", help="drop the entries of every namespace but the given model's")
     gc.add_argument("--store", default=_default_store())
-    _add_store_security_args(gc)
+    _add_store_args(gc)
     _add_model_args(gc)
 
     rep = sub.add_parser(
@@ -198,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
         help="rebuild damaged store databases from the entries that still check (stop other users first)",
     )
     rep.add_argument("--store", default=_default_store())
-    _add_store_security_args(rep)
+    _add_store_args(rep)
 
     clear = sub.add_parser("clear", help="delete every entry and registered document")
     clear.add_argument("--store", default=_default_store())
@@ -216,7 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model_args(srv)
     srv.add_argument("--store", default=None, help="KV store directory (default: memory only)")
-    _add_store_security_args(srv)
+    _add_store_args(srv)
     _add_redis_args(srv)
     srv.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)"

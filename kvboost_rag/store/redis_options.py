@@ -132,12 +132,19 @@ class RedisOptions:
 
 def describe(client: redis.Redis | RedisCluster) -> str:
     """``host:port/db`` of a client's server, without credentials (for messages)."""
-    kw = client.get_connection_kwargs()
-    where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
-    return f"{where}/{kw.get('db', 0)}"
+    return _where(client.get_connection_kwargs())
 
 
 def describe_url(url: str) -> str:
-    """``host:port/db`` of a URL, without credentials; raises ValueError for a URL redis-py refuses."""
-    kw = parse_url(url)
-    return f"{kw.get('host', '?')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+    """``host:port/db`` (or ``socket-path/db``) of a URL, without credentials; raises ValueError for a
+    URL redis-py refuses.
+
+    >>> describe_url("redis://:s3cret@cache:6380/2"), describe_url("unix:///run/redis.sock?db=1")
+    ('cache:6380/2', '/run/redis.sock/1')
+    """
+    return _where({"port": 6379, **parse_url(url)})
+
+
+def _where(kw: Mapping[str, Any]) -> str:
+    where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
+    return f"{where}/{kw.get('db', 0)}"
