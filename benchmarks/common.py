@@ -6,9 +6,14 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
+import socket
 import statistics
+import subprocess
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +89,36 @@ def write_results(out: Path, **sections: Any) -> None:
     """Write ``sections`` after a description of this machine, as indented JSON, to ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine(), **sections}, indent=2))
+
+
+@contextmanager
+def local_redis() -> Iterator[str | None]:
+    """The URL of a throwaway ``redis-server`` on a free loopback port (no persistence, killed on
+    exit), or None where no ``redis-server`` is installed."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield None
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        proc = subprocess.Popen([*cmd, "--dir", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                        s.sendall(b"PING\r\n")
+                        if s.recv(16).startswith(b"+PONG"):
+                            break
+                except OSError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {port}")
+                time.sleep(0.02)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -228,9 +228,8 @@ def targets(results: dict[str, Any]) -> list[str]:
         for res in codecs["results"]:
             by_mode = {q["mode"]: q for q in res["quality"]}
             noise = by_mode["exact_reordered"]["answer_agreement"]
-            rows_8k = [
-                r for r in res["ttft"] if r["prompt_tokens"] == max(x["prompt_tokens"] for x in res["ttft"])
-            ]
+            longest = max(x["prompt_tokens"] for x in res["ttft"])
+            rows_8k = [r for r in res["ttft"] if r["prompt_tokens"] == longest and r["tier"] == "disk"]
             float32 = float32_kv_bytes_per_token(res["model"])
             if "int8" in by_mode and float32 is not None:
                 int8 = next(r for r in rows_8k if r["codec"] == "int8")
@@ -247,8 +246,8 @@ def targets(results: dict[str, Any]) -> list[str]:
                 if not CODEC_APPROXIMATE.get(r["codec"], True)
                 or by_mode[r["codec"]]["answer_agreement"] >= noise
             ]
-            best = max(keeping, key=lambda r: r["cold_over_disk"]["median"])
-            x = best["cold_over_disk"]["median"]
+            best = max(keeping, key=lambda r: r["cold_over_warm"]["median"])
+            x = best["cold_over_warm"]["median"]
             add(
                 f"warm TTFT from disk >= 60x cold at {best['prompt_tokens']} tokens, best codec that keeps "
                 f"agreement ({res['model']})",
@@ -360,9 +359,9 @@ def float32_kv_bytes_per_token(model: str) -> int | None:
 
 def codecs_section(data: dict) -> list[str]:
     lines = [
-        "| model | prompt tokens | codec | KiB / token | warm from disk | cold | floor (raw) "
-        "| cold / disk | disk / floor |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| model | prompt tokens | codec | tier | KiB / token | warm from the tier | cold | floor "
+        "| cold / warm | warm / floor |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     quality = [
         "",
@@ -372,19 +371,14 @@ def codecs_section(data: dict) -> list[str]:
         "| model | entries | questions | answer agreement | same text | first-token KL p50 (IQR) |",
         "|---|---|---:|---:|---:|---:|",
     ]
-    # Runs before floor_laid_bytes was recorded timed the floor's prefill with a decode step and beside
-    # the disk tier's queued writes: not a floor, so not shown.
-    floor_known = all("floor_laid_bytes" in r for res in data["results"] for r in res["ttft"])
     for res in data["results"]:
-        floors = {r["prompt_tokens"]: r["floor_s"] for r in res["ttft"] if r["codec"] == "raw"}
         for r in res["ttft"]:
-            floor = floors[r["prompt_tokens"]]["median"]
-            floor_cells = f"{ms(floor)} | " if floor_known else "- | "
-            ratio = f"{r['disk_s']['median'] / floor:.2f}x" if floor_known else "-"
             lines.append(
-                f"| {res['model']} | {r['prompt_tokens']} | {r['codec']} | {r['bytes_per_token'] / 1024:.1f} "
-                f"| {ms(r['disk_s']['median'])} | {ms(r['cold_s']['median'])} | {floor_cells}"
-                f"{r['cold_over_disk']['median']:.1f}x | {ratio} |"
+                f"| {res['model']} | {r['prompt_tokens']} | {r['codec']} | {r['tier']} "
+                f"| {r['bytes_per_token'] / 1024:.1f} | {ms(r['warm_s']['median'])} "
+                f"| {ms(r['cold_s']['median'])} "
+                f"| {ms(r['floor_s']['median'])} | {spread(r['cold_over_warm'])} "
+                f"| {r['warm_over_floor']['median']:.2f}x |"
             )
         for q in res["quality"]:
             kl = q["kl_first_token"]
@@ -392,11 +386,6 @@ def codecs_section(data: dict) -> list[str]:
                 f"| {res['model']} | {q['mode']} | {q['questions']} | {100 * q['answer_agreement']:.0f} % "
                 f"| {100 * q['text_agreement']:.0f} % | {kl['median']:.4f} ({kl['q1']:.4f}-{kl['q3']:.4f}) |"
             )
-    if not floor_known:
-        lines += [
-            "",
-            "(This run's floor was not measured right; `disk_ttft.py` gives the floor at 2K and 8K.)",
-        ]
     return lines + quality + sizing_rows(data)
 
 
@@ -405,34 +394,49 @@ DOCUMENT_TOKENS = 500
 
 
 def sizing_rows(data: dict) -> list[str]:
-    """Per model and codec, at the longest prompt measured: entry bytes, documents per GB, and how fast
-    the disk tier lays tokens (page cache warm)."""
+    """Per model and codec, at the longest prompt measured: entry bytes, documents per GB, and per tier
+    the read bandwidth on stored entries and the warm TTFT."""
+    tiers = sorted({r["tier"] for res in data["results"] for r in res["ttft"]})
     lines = [
         "",
-        f"Sizing, at the longest prompt above (documents of {DOCUMENT_TOKENS} tokens; tokens laid per "
-        "second: reused tokens over the warm TTFT from disk, compute included):",
+        f"Sizing, at the longest prompt above (documents of {DOCUMENT_TOKENS} tokens; read bandwidth: "
+        "stored entries read back whole, page cache warm; TTFT: new question, compute included):",
         "",
-        "| model | codec | KiB / token | smaller than raw | documents per GB | tokens laid / s from disk |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | codec | KiB / token | smaller than raw | documents per GB | "
+        + " | ".join(f"{t} MB/s | {t} TTFT" for t in tiers)
+        + " |",
+        "|---|---|---:|---:|---:|" + "---:|---:|" * len(tiers),
     ]
     for res in data["results"]:
         longest = max(r["prompt_tokens"] for r in res["ttft"])
-        rows = [r for r in res["ttft"] if r["prompt_tokens"] == longest]
-        raw = next(r for r in rows if r["codec"] == "raw")
-        for r in rows:
+        at = {(r["codec"], r["tier"]): r for r in res["ttft"] if r["prompt_tokens"] == longest}
+        raw = at[("raw", "disk")]
+        for codec in dict.fromkeys(c for c, _ in at):
+            r = at[(codec, "disk")]
             per_gb = 1e9 / (r["bytes_per_token"] * DOCUMENT_TOKENS)
+            cells = [tier_cells(at.get((codec, t))) for t in tiers]
             lines.append(
-                f"| {res['model']} | {r['codec']} | {r['bytes_per_token'] / 1024:.1f} "
+                f"| {res['model']} | {codec} | {r['bytes_per_token'] / 1024:.1f} "
                 f"| {raw['bytes_per_token'] / r['bytes_per_token']:.2f}x | {per_gb:,.0f} "
-                f"| {r['reused_tokens'] / r['disk_s']['median']:,.0f} |"
+                f"| {' | '.join(cells)} |"
             )
     return lines
+
+
+def tier_cells(row: dict | None) -> str:
+    if row is None:
+        return "- | -"
+    return f"{row['read_bandwidth_bytes_s']['median'] / 1e6:,.0f} | {ms(row['warm_s']['median'])}"
 
 
 SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("ttft", "Time to first token vs prompt length, with peers on the same tokens", ttft_section),
     ("disk_ttft", "Disk tier, a fresh process", disk_section),
-    ("store_codecs", "Store codecs: entry size, TTFT from disk, answers from lossy entries", codecs_section),
+    (
+        "store_codecs",
+        "Store codecs: entry size, TTFT from disk and Redis, answers from lossy entries",
+        codecs_section,
+    ),
     (
         "prefix_reuse",
         "Flat prompts sharing a prefix, and a pre-warmed document (exact reuse)",

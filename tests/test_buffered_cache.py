@@ -115,3 +115,25 @@ def test_prefills_batches_and_joins_never_read_unwritten_memory(monkeypatch):
     assert len(clean) == 3
     poison(monkeypatch)
     assert _answers(monkeypatch) == clean
+
+
+def test_extend_lays_runs_in_order_as_one_update_would(poisoned):
+    runs = [torch.randn(2, n, 4) for n in (3, KEY_BLOCK, 7)]  # [kv_heads, tokens, head_dim]
+    value_runs = [torch.randn(2, r.shape[1], 4) for r in runs]
+    extended, updated = BufferedLayer(capacity=8), BufferedLayer(capacity=8)  # both grow past capacity
+    extended.update(runs[0][None, :, :1], value_runs[0][None, :, :1])
+    updated.update(runs[0][None, :, :1], value_runs[0][None, :, :1])
+    extended.extend(runs, value_runs)
+    updated.update(torch.cat(runs, dim=1)[None], torch.cat(value_runs, dim=1)[None])
+    assert extended.get_seq_length() == updated.get_seq_length() == 1 + 3 + KEY_BLOCK + 7
+    assert torch.equal(extended.keys, updated.keys) and torch.equal(extended.values, updated.values)
+    extended.pad_keys = True  # what it holds reads as written, the padded rest as zeros
+    padded_k, _ = extended.update(runs[2][None, :, :1], value_runs[2][None, :, :1])
+    assert torch.isfinite(padded_k).all()
+
+
+def test_extend_on_an_empty_layer_starts_its_buffers():
+    layer = BufferedLayer(capacity=4)
+    keys, values = torch.randn(2, 6, 4), torch.randn(2, 6, 4)
+    layer.extend([keys], [values])
+    assert torch.equal(layer.keys[0], keys) and torch.equal(layer.values[0], values)

@@ -458,6 +458,10 @@ class Assembler:
             if part.shape[0] != len(cache.layers):
                 msg = f"stored chunk has {part.shape[0]} layers, the model has {len(cache.layers)}"
                 raise ValueError(msg)
+        if isinstance(cache, BufferedCache):
+            for layer_idx, buffered in enumerate(buffered_layers(cache)):
+                buffered.extend([p[layer_idx, 0] for p in parts], [p[layer_idx, 1] for p in parts])
+            return
         for layer_idx, layer in enumerate(kv_layers(cache)):
             if len(parts) == 1:
                 keys, values = parts[0][layer_idx, 0], parts[0][layer_idx, 1]

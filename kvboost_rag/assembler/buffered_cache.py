@@ -15,7 +15,7 @@ last key block (masked), and those slots are zeroed first, so every slot read is
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from typing import Any, Protocol, cast
@@ -90,6 +90,23 @@ class BufferedLayer(DynamicLayer):
             self._zero_to(padded)  # the masked rest of the last key block is read
             return self._k[:, :, :padded], self._v[:, :, :padded]
         return self.keys, self.values
+
+    def extend(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Append several runs of stored tokens ``[kv_heads, tokens, head_dim]`` in order, each copied
+        straight into the buffer (one copy of each byte, where concatenating first takes two)."""
+        end = self.length + sum(k.shape[-2] for k in keys)
+        if not self.is_initialized:
+            self.lazy_initialization(keys[0].unsqueeze(0), values[0].unsqueeze(0))
+        if end > self.capacity:
+            self._grow(end)
+        at = self.length
+        for k, v in zip(keys, values, strict=True):
+            n = k.shape[-2]
+            self._k[0, :, at : at + n] = k
+            self._v[0, :, at : at + n] = v
+            at += n
+        self.length, self.finite = end, max(self.finite, end)
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
 
     def get_seq_length(self) -> int:
         return self.length

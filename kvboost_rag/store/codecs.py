@@ -157,8 +157,10 @@ class Quantized(Codec):
     def _unpack(self, packed: torch.Tensor, count: int) -> torch.Tensor:
         if self.bits == 8:
             return packed.view(torch.int8)
-        both = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:count]
-        return both.to(torch.int8) - 8
+        nibbles = torch.empty(2 * packed.numel(), dtype=torch.uint8)
+        torch.bitwise_and(packed, 0x0F, out=nibbles[0::2])
+        torch.bitwise_right_shift(packed, 4, out=nibbles[1::2])
+        return nibbles[:count].view(torch.int8).sub_(8)  # nibbles are 1..15: as int8, the same bits
 
     def _code_bytes(self, count: int) -> int:
         return count if self.bits == 8 else (count + 1) // 2
@@ -200,18 +202,32 @@ class Quantized(Codec):
         if not (torch.isfinite(k_scale).all() and torch.isfinite(v_scale).all()):
             raise ValueError("scales that are not finite")
         layers, _, heads, tokens, dim = (int(s) for s in shape)
-        pad_t, pad_d = -tokens % GROUP, -dim % GROUP
-        keys = torch.nn.functional.pad(
-            key_codes.reshape(layers, heads, tokens, dim).float(), (0, 0, 0, pad_t)
+        out = torch.empty(layers, 2, heads, tokens, dim, dtype=dtype)  # [L, 2, H, T, D]
+        key_scales_ = k_scale.reshape(layers, heads, -1, dim)  # a scale per group of tokens
+        value_scales_ = v_scale.reshape(layers, heads, tokens, -1)  # a scale per group of channels
+        _scale_into(out[:, 0], key_codes.reshape(layers, heads, tokens, dim), key_scales_, axis=2)
+        _scale_into(out[:, 1], value_codes.reshape(layers, heads, tokens, dim), value_scales_, axis=3)
+        return out
+
+
+def _scale_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, axis: int) -> None:
+    """``out = codes * scales``, a scale for each :data:`GROUP` consecutive codes along ``axis`` (the
+    last group may be short). One pass: each product is taken in float32 and rounded once, to
+    ``out``'s dtype, as ``(codes.float() * scales).to(dtype)`` would."""
+    n = codes.shape[axis]
+    whole = n // GROUP * GROUP
+    if whole:
+        torch.mul(
+            codes.narrow(axis, 0, whole).unflatten(axis, (-1, GROUP)),
+            scales.narrow(axis, 0, whole // GROUP).unsqueeze(axis + 1),
+            out=out.narrow(axis, 0, whole).unflatten(axis, (-1, GROUP)),
         )
-        values = torch.nn.functional.pad(value_codes.reshape(layers, heads, tokens, dim).float(), (0, pad_d))
-        keys = keys.reshape(layers, heads, -1, GROUP, dim) * k_scale.reshape(layers, heads, -1, 1, dim)
-        values = values.reshape(layers, heads, tokens, -1, GROUP) * v_scale.reshape(
-            layers, heads, tokens, -1, 1
+    if whole < n:
+        torch.mul(
+            codes.narrow(axis, whole, n - whole),
+            scales.narrow(axis, whole // GROUP, 1),
+            out=out.narrow(axis, whole, n - whole),
         )
-        keys = keys.flatten(2, 3)[:, :, :tokens]  # [L, H, T, D]
-        values = values.flatten(3, 4)[..., :dim]
-        return torch.stack((keys, values), dim=1).to(dtype)
 
 
 RAW = Raw()

@@ -73,6 +73,16 @@ def test_quantized_codecs_stay_within_half_a_step_of_each_group(name, shape):
     assert ((back[:, 1] - values).abs() <= value_max * tolerance).all()
 
 
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_quantized_codecs_give_the_float32_products_rounded_to_the_dtype_asked(name, dtype, shape):
+    codec = codec_named(name)
+    payload = b"".join(codec.encode(kv(shape)))
+    products = codec.decode(payload, shape, torch.float32)  # code x scale, taken in float32
+    assert torch.equal(bits(codec.decode(payload, shape, dtype)), bits(products.to(dtype)))
+
+
 def test_an_all_zero_group_comes_back_as_zeros():
     x = torch.zeros(1, 2, 1, 3, 64)
     assert torch.equal(round_trip("int4", x), x) and torch.equal(round_trip("int8", x), x)
