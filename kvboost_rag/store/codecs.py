@@ -203,10 +203,19 @@ class Quantized(Codec):
             raise ValueError("scales that are not finite")
         layers, _, heads, tokens, dim = (int(s) for s in shape)
         out = torch.empty(layers, 2, heads, tokens, dim, dtype=dtype)  # [L, 2, H, T, D]
-        key_scales_ = k_scale.reshape(layers, heads, -1, dim)  # a scale per group of tokens
-        value_scales_ = v_scale.reshape(layers, heads, tokens, -1)  # a scale per group of channels
-        _scale_into(out[:, 0], key_codes.reshape(layers, heads, tokens, dim), key_scales_, axis=2)
-        _scale_into(out[:, 1], value_codes.reshape(layers, heads, tokens, dim), value_scales_, axis=3)
+        # keys: a scale per channel and group of tokens; values: per token and group of channels
+        _scale_into(
+            out[:, 0],
+            key_codes.reshape(layers, heads, tokens, dim),
+            k_scale.reshape(layers, heads, -1, dim),
+            2,
+        )
+        _scale_into(
+            out[:, 1],
+            value_codes.reshape(layers, heads, tokens, dim),
+            v_scale.reshape(layers, heads, tokens, -1),
+            3,
+        )
         return out
 
 
