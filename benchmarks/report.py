@@ -453,6 +453,21 @@ SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [
 ]
 
 
+NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def _cpu(m: dict) -> tuple:
+    return m["cpu_count"], m["processor"], tuple(m.get("cpu_features", []))
+
+
+def other_machine(m: dict) -> str:
+    """How a section's machine differs from the header's: its figures compare only within it (the
+    engine's ``dtype="auto"`` is bfloat16 on a CPU with native bfloat16, float32 elsewhere)."""
+    native = NATIVE_BF16 & set(m.get("cpu_features", []))
+    kind = "with native bfloat16" if native else "without native bfloat16"
+    return f"on another machine: {m['cpu_count']} cores, {m['processor']} {kind}"
+
+
 def block() -> list[str]:
     results = {
         name: json.loads((BENCH / f"{name}.json").read_text())
@@ -462,7 +477,7 @@ def block() -> list[str]:
     suite = json.loads((BENCH / "suite.json").read_text()) if (BENCH / "suite.json").exists() else None
     m = (suite or next(iter(results.values())))["machine"]
     dtype = results["ttft"]["rows"][0]["dtype"] if "ttft" in results else "auto"
-    if dtype == "float32" and not {"avx512_bf16", "amx_bf16"} & set(m.get("cpu_features", [])):
+    if dtype == "float32" and not NATIVE_BF16 & set(m.get("cpu_features", [])):
         dtype += ' (the engine\'s `dtype="auto"` here: this CPU has no native bfloat16)'
     lines = [
         START,
@@ -478,8 +493,10 @@ def block() -> list[str]:
     lines += ["Targets:", "", *targets(results), ""]
     for name, title, render in SECTIONS:
         if name in results:
+            run = results[name]["machine"]
+            where = f", {other_machine(run)}" if _cpu(run) != _cpu(m) else ""
             lines += [
-                f"**{title}** (`python benchmarks/{name}.py`, {results[name]['machine']['time'][:10]}):",
+                f"**{title}** (`python benchmarks/{name}.py`, {run['time'][:10]}{where}):",
                 "",
                 *render(results[name]),
                 "",

@@ -92,19 +92,17 @@ class BufferedLayer(DynamicLayer):
         return self.keys, self.values
 
     def extend(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
-        """Append several runs of stored tokens ``[kv_heads, tokens, head_dim]`` in order, each copied
-        straight into the buffer (one copy of each byte, where concatenating first takes two)."""
+        """Append several runs of stored tokens ``[kv_heads, tokens, head_dim]`` in order.
+
+        One concatenation per buffer, written straight into its slots: one copy of each byte, and one
+        kernel call where a copy per run pays a call each (8K tokens in 64-token chunks: 125 runs)."""
         end = self.length + sum(k.shape[-2] for k in keys)
         if not self.is_initialized:
             self.lazy_initialization(keys[0].unsqueeze(0), values[0].unsqueeze(0))
         if end > self.capacity:
             self._grow(end)
-        at = self.length
-        for k, v in zip(keys, values, strict=True):
-            n = k.shape[-2]
-            self._k[0, :, at : at + n] = k
-            self._v[0, :, at : at + n] = v
-            at += n
+        torch.cat(list(keys), dim=-2, out=self._k[0, :, self.length : end])
+        torch.cat(list(values), dim=-2, out=self._v[0, :, self.length : end])
         self.length, self.finite = end, max(self.finite, end)
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
 
