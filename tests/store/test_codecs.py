@@ -9,6 +9,7 @@ import struct
 import pytest
 import torch
 import xxhash
+import zstandard
 
 from kvboost_rag.store.base import StoredChunk
 from kvboost_rag.store.codecs import CODECS, GROUP, codec_named
@@ -167,3 +168,12 @@ def test_a_store_mixing_codecs_reads_each_entry_right(tmp_path):
     assert torch.equal(exact.get("raw").chunk.kv, chunks["raw"].kv)
     assert exact.stats()["disk"].extra["corrupt"] == 0
     exact.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_zstd_reads_the_byte_plane_layout_it_has_always_written(dtype):
+    """The stored format: plane k holds byte k of every value in memory order, compressed whole."""
+    x = kv((2, 2, 3, 70, 64), dtype)
+    planes = x.reshape(-1).view(torch.uint8).reshape(-1, dtype.itemsize).t().contiguous()
+    payload = zstandard.ZstdCompressor(level=3).compress(planes.numpy().tobytes())
+    assert torch.equal(bits(codec_named("zstd").decode(payload, x.shape, dtype)), bits(x))
