@@ -101,8 +101,13 @@ def disk_section(data: dict) -> list[str]:
             f"| {ms(r['disk']['median'])} | {ms(r['floor']['median'])} "
             f"| {r['cold_over_disk']['median']:.1f}x | {r['disk_over_floor']['median']:.2f}x |"
         )
+    parts = data["rows"][-1]["floor_parts_s"]
     p = data["prewarm"]
     lines += [
+        "",
+        "The floor as DESIGN.md defines it: bytes read at the measured read bandwidth, plus the prefill of "
+        f"the new tokens, plus one decode step ({ms(parts['decode_s']['median'])} at the longest prompt); "
+        "the first token comes from the prefill's logits, so a warm request can come in under it.",
         "",
         f"Pre-warming: {p['prewarm_tokens_per_s']:.0f} tokens/s (disk writes included) next to "
         f"{p['plain_prefill_tokens_per_s']:.0f} tokens/s of plain prefill of the same documents.",
