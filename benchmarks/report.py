@@ -458,19 +458,22 @@ SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [
 ]
 
 
-NATIVE_BF16 = frozenset({"avx512_bf16", "amx_bf16"})
-
-
 def _cpu(m: dict) -> tuple:
     return m["cpu_count"], m["processor"], tuple(m.get("cpu_features", []))
 
 
+def native_bfloat16(m: dict) -> bool:
+    """Whether the machine ``m`` describes runs bfloat16 natively (the engine's ``dtype="auto"`` is
+    bfloat16 there, float32 elsewhere)."""
+    from kvboost_rag.models import NATIVE_BFLOAT16_FLAGS
+
+    return not NATIVE_BFLOAT16_FLAGS.isdisjoint(m.get("cpu_features", []))
+
+
 def other_machine(m: dict) -> str:
-    """How a section's machine differs from the header's: its figures compare only within it (the
-    engine's ``dtype="auto"`` is bfloat16 on a CPU with native bfloat16, float32 elsewhere)."""
-    native = NATIVE_BF16 & set(m.get("cpu_features", []))
-    kind = "with native bfloat16" if native else "without native bfloat16"
-    return f"on another machine: {m['cpu_count']} cores, {m['processor']} {kind}"
+    """A section's machine, where it is not the header's: its figures compare only within it."""
+    kind = "with" if native_bfloat16(m) else "without"
+    return f"on another machine: {m['cpu_count']} cores, {m['processor']} {kind} native bfloat16"
 
 
 def block() -> list[str]:
@@ -482,7 +485,7 @@ def block() -> list[str]:
     suite = json.loads((BENCH / "suite.json").read_text()) if (BENCH / "suite.json").exists() else None
     m = (suite or next(iter(results.values())))["machine"]
     dtype = results["ttft"]["rows"][0]["dtype"] if "ttft" in results else "auto"
-    if dtype == "float32" and not NATIVE_BF16 & set(m.get("cpu_features", [])):
+    if dtype == "float32" and not native_bfloat16(m):
         dtype += ' (the engine\'s `dtype="auto"` here: this CPU has no native bfloat16)'
     lines = [
         START,

@@ -58,6 +58,10 @@ def kvboost_home() -> Path:
     return Path(os.environ.get("KVBOOST_RAG_HOME", "~/.cache/kvboost_rag")).expanduser()
 
 
+NATIVE_BFLOAT16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+"""CPU flags (``/proc/cpuinfo``) of x86 CPUs that run bfloat16 matmuls natively."""
+
+
 def _cpu_has_native_bfloat16() -> bool:
     """x86 CPUs with AVX512-BF16 or AMX run bfloat16 matmuls natively; others emulate them (several times
     slower than float32: SmolLM2 prefill measured ~5x slower in bfloat16 on an AVX2-only CPU)."""
@@ -65,7 +69,7 @@ def _cpu_has_native_bfloat16() -> bool:
         flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
     except (OSError, IndexError):
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return not NATIVE_BFLOAT16_FLAGS.isdisjoint(flags)
 
 
 def parse_dtype(dtype: str | torch.dtype, device: str | None = None) -> torch.dtype:

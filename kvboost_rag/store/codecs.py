@@ -225,19 +225,11 @@ class Quantized(Codec):
             raise ValueError("scales that are not finite")
         layers, _, heads, tokens, dim = (int(s) for s in shape)
         out = torch.empty(layers, 2, heads, tokens, dim, dtype=dtype)  # [L, 2, H, T, D]
-        # keys: a scale per channel and group of tokens; values: per token and group of channels
-        _scale_into(
-            out[:, 0],
-            key_codes.reshape(layers, heads, tokens, dim),
-            k_scale.reshape(layers, heads, -1, dim),
-            2,
-        )
-        _scale_into(
-            out[:, 1],
-            value_codes.reshape(layers, heads, tokens, dim),
-            v_scale.reshape(layers, heads, tokens, -1),
-            3,
-        )
+        key_codes, value_codes = (c.reshape(layers, heads, tokens, dim) for c in (key_codes, value_codes))
+        k_scale = k_scale.reshape(layers, heads, -1, dim)  # per channel and group of tokens
+        v_scale = v_scale.reshape(layers, heads, tokens, -1)  # per token and group of channels
+        _scale_into(out[:, 0], key_codes, k_scale, axis=2)
+        _scale_into(out[:, 1], value_codes, v_scale, axis=3)
         return out
 
 
