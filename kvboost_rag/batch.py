@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache
@@ -40,6 +40,7 @@ from transformers.cache_utils import Cache
 from . import block_attention
 from .assembler import Assembler
 from .assembler.buffered_cache import buffered_layers
+from .decoding import DecodeStepper, SpeculationStats
 from .request import Request
 from .runner import PrefillOutcome
 from .sampling import select_token
@@ -77,6 +78,12 @@ class RowOutput:
     """``time.perf_counter()`` when the row's first token was chosen."""
     error: Exception | None = None
     """What ended the row, when ``finish_reason`` is ``error``."""
+    speculation: SpeculationStats | None = None
+    """Drafts of a row that decoded alone (None: it decoded in a batch)."""
+    exact_cache: Cache | None = None
+    """The row's cache when its KV has a prefill's bits (a row that decoded alone with the
+    split-invariant forward): ``cache_ids`` are its tokens."""
+    cache_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -107,8 +114,13 @@ class RunningBatch:
         eos_ids: frozenset[int],
         prefill_lock: threading.Lock,
         shared_tokens: int = 0,
+        *,
+        max_draft_tokens: int = 0,
     ) -> None:
         self._assembler = assembler
+        self._max_draft_tokens = max_draft_tokens
+        self._stepper: DecodeStepper | None = None
+        """Decodes the lone adopted row (drafting ahead), until others are admitted."""
         self._tokenizer = tokenizer
         self._eos_ids = eos_ids
         self._prefill_lock = prefill_lock
@@ -120,8 +132,6 @@ class RunningBatch:
         self._valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, slots]: the row may attend to the slot
         self._next_position = torch.zeros(0, dtype=torch.long)  # [rows]
         self._logits = torch.zeros(0)  # [rows, vocab]: what each row's next token is chosen from
-        self._lone = False
-        """One adopted row decodes on the exact single-request path (until others are admitted)."""
 
     def __len__(self) -> int:
         return len(self._running)
@@ -129,7 +139,7 @@ class RunningBatch:
     @property
     def lone(self) -> bool:
         """Whether one adopted row decodes on the exact single-request path (no row was admitted yet)."""
-        return self._lone
+        return self._stepper is not None
 
     def adopt(self, row: BatchRow) -> None:
         """Start with one row whose whole prompt is prefilled (``row.prefix``, with its last logits):
@@ -155,7 +165,10 @@ class RunningBatch:
                 first,
             )
         ]
-        self._cache, self._lone, self.shared_tokens = cache, True, 0
+        self._cache, self.shared_tokens = cache, 0
+        self._stepper = DecodeStepper(
+            self._assembler, cache, row.token_ids, max_draft_tokens=self._max_draft_tokens
+        )
         self._valid = torch.ones(1, len(row.token_ids), dtype=torch.bool, device=device)
         self._next_position = torch.tensor([len(row.token_ids)], device=device)
         self._logits = first.unsqueeze(0)
@@ -165,6 +178,7 @@ class RunningBatch:
         next :meth:`step` on. Each row's prefix must hold the batch's ``shared_tokens``."""
         if not rows:
             return
+        self._end_lone()
         assembler, device, skip = self._assembler, self._assembler.device, self.shared_tokens
         if skip and self._shared is None:
             first = rows[0].prefix
@@ -226,20 +240,20 @@ class RunningBatch:
             self._next_position = torch.cat([self._next_position, next_position])
             self._logits = torch.cat([self._logits, logits])
         self._running.extend(joined)
-        self._lone = False
 
     def share(self, tokens: int) -> None:
         """Keep the first ``tokens`` slots of the lone adopted row once, as the prefix that rows admitted
         from now on share (``shared_tokens`` becomes ``tokens``); the row decodes as a batch row from
         the next step. No effect where the assembler cannot share prefixes."""
-        if not self._lone:
+        if self._stepper is None:
             raise ValueError("share takes the lone adopted row's prefix, before any row is admitted")
         if not self._assembler.shares_prefixes or tokens == 0:
             return
+        self._end_lone()
         assert self._cache is not None  # the adopted row's
         self._shared = self._assembler.share_prefix(self._cache, tokens)
         self._valid = self._valid[:, tokens:]  # [1, own slots]
-        self.shared_tokens, self._lone = tokens, False
+        self.shared_tokens = tokens
 
     def unshare(self) -> None:
         """Give every running row its own copy of the shared prefix, so that rows without it can join
@@ -290,11 +304,8 @@ class RunningBatch:
             self._next_position = self._next_position.index_select(0, index)
             self._running = [self._running[b] for b in keep]
         self._valid = torch.cat([self._valid, self._valid.new_ones(len(keep), 1)], dim=1)
-        if self._lone:  # as a lone request decodes
-            position = int(self._next_position[0])
-            logits = self._assembler.forward(self._cache, chosen, position, exact_rows=False)
-            assert logits is not None  # asked for
-            self._logits = logits.unsqueeze(0)
+        if self._stepper is not None:  # as a lone request decodes
+            self._logits = self._stepper.next_logits(chosen[0]).unsqueeze(0)
         else:
             tokens = torch.tensor(chosen, device=self._valid.device).unsqueeze(1)
             self._logits = self._assembler.forward_rows(
@@ -307,9 +318,21 @@ class RunningBatch:
         self._next_position += 1
         return True
 
+    def _end_lone(self) -> None:
+        """The lone row decodes as a batch row from now on: drafts not yet confirmed leave its cache."""
+        if self._stepper is not None:
+            self._stepper.settle()
+            self._stepper = None
+
     def _leave(self, run: _Running, reason: str, error: Exception | None = None) -> None:
-        stream = run.stream
+        stream, stepper = run.stream, self._stepper
         out = RowOutput(stream.text, list(stream.ids), reason, run.first_logits, run.first_token_at, error)
+        if stepper is not None:  # the lone row: its cache goes with its output
+            stepper.settle()
+            out.speculation = stepper.stats
+            if stepper.exact:
+                fed = stepper.position - len(run.row.token_ids)
+                out.exact_cache, out.cache_ids = self._cache, [*run.row.token_ids, *stream.ids[:fed]]
         if run.row.on_finish is not None:
             run.row.on_finish(out)
 

@@ -13,27 +13,29 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import CancelledError
 from functools import partial
 from typing import Any, NamedTuple, cast
 
 import torch
+from transformers.cache_utils import Cache
 
 from .async_stream import END, Delivery
 from .batch import BatchRow, RowOutput, RunningBatch
 from .blend import blend_prefill
 from .canonical import CanonicalPrompt, is_messages
-from .config import ReuseMode
+from .config import EngineConfig, ReuseMode
 from .core import EngineCore
+from .decoding import DecodeStepper, SpeculationStats, decode
 from .followups import FollowUps
 from .keys import Chunk, salted
 from .request import Request
 from .results import FinishReason, GenerationResult, StreamChunk, Timings, Usage
-from .runner import PrefillOutcome, decode, holding_writes
+from .runner import PrefillOutcome, holding_writes
 from .scheduler import Arrivals, BatchFuture, Pending
 from .textstream import TextStream
-from .warming import store_reply
+from .warming import store_reply, store_reply_from_cache
 
 logger = logging.getLogger(__name__)
 
@@ -280,20 +282,42 @@ class Generation:
         prefill) or token.
         """
         with self.followups.activity():
-            last = yield from self._steps(prepared, cancel)
+            last, reply_stored = yield from self._steps(prepared, cancel)
         assert last.result is not None
-        self._follow_up(prepared, last.result)
+        if not reply_stored:
+            self._follow_up(prepared, last.result)
         yield last
 
-    def _follow_up(self, prepared: Prepared, result: GenerationResult) -> None:
-        """Queue storing a chat reply as the next turn will render it (see ``EngineConfig.store_replies``)."""
+    @staticmethod
+    def _stores_reply(prepared: Prepared, config: EngineConfig) -> bool:
+        """Whether the request's reply is stored for the next turn (see ``EngineConfig.store_replies``)."""
         request = prepared.request
-        messages = request.prompt
-        if prepared.mode != "exact" or not self.core.config.store_replies:
+        return (
+            prepared.mode == "exact"
+            and config.store_replies
+            and is_messages(request.prompt)
+            and request.add_generation_prompt
+        )
+
+    def _store_reply_now(self, prepared: Prepared, text: str, cache: Cache, cache_ids: Sequence[int]) -> bool:
+        """Store the reply's chunks from the request's own ``cache`` (KV with a prefill's bits for
+        ``cache_ids``), before the answer returns, so a call that follows at once reads them; True
+        when that stored the whole reply (no background re-prefill needed)."""
+        if not self._stores_reply(prepared, self.core.config):
+            return True  # nothing to store
+        messages = cast("Sequence[Mapping[str, Any]]", prepared.request.prompt)
+        salt = prepared.request.cache_salt
+        return store_reply_from_cache(self.core, messages, text, salt, cache, cache_ids)
+
+    def _follow_up(self, prepared: Prepared, result: GenerationResult) -> None:
+        """Queue storing a chat reply as the next turn will render it, by a re-prefill once the
+        engine is idle (see ``EngineConfig.store_replies``): for replies whose KV does not have a
+        prefill's bits (batched rows, the canonical schedule), or that the template renders otherwise
+        than the tokens generated."""
+        if not self._stores_reply(prepared, self.core.config):
             return
-        if not is_messages(messages) or not request.add_generation_prompt:
-            return
-        salt = request.cache_salt  # the reply is the tenant's too
+        messages = prepared.request.prompt
+        salt = prepared.request.cache_salt  # the reply is the tenant's too
         self.followups.submit(lambda: store_reply(self.core, messages, result.text, salt))  # type: ignore[arg-type]
 
     def _batch_row(
@@ -326,8 +350,9 @@ class Generation:
 
     def _steps(
         self, prepared: Prepared, cancel: threading.Event | None
-    ) -> Generator[StreamChunk, None, StreamChunk]:
-        """Prefill and decode one request, yielding text deltas; returns the last delta with the result."""
+    ) -> Generator[StreamChunk, None, tuple[StreamChunk, bool]]:
+        """Prefill and decode one request, yielding text deltas; returns the last delta with the result,
+        and whether the reply was stored for the next turn already."""
         core = self.core
         request, canonical, mode, max_new = (
             prepared.request,
@@ -350,7 +375,10 @@ class Generation:
         text = TextStream(core.tokenizer, request.stop_strings)
         first_token_at = None
         finish: FinishReason = "length"
-        for token in decode(core.assembler, out.cache, out.logits, n_prompt, request, core.eos_ids, max_new):
+        stepper = DecodeStepper(
+            core.assembler, out.cache, canonical.token_ids, max_draft_tokens=core.config.max_draft_tokens
+        )
+        for token in decode(stepper, out.logits, request, core.eos_ids, max_new):
             if cancel is not None and cancel.is_set():
                 raise CancelledError()
             first_token_at = first_token_at or time.perf_counter()
@@ -360,15 +388,28 @@ class Generation:
             if token in core.eos_ids or text.stopped:
                 finish = "stop"
                 break
+        stepper.settle()
         tail = text.finish()
+        reply_stored = stepper.exact and self._store_reply_now(
+            prepared, text.text, out.cache, [*canonical.token_ids, *text.ids[: stepper.position - n_prompt]]
+        )
         t0 = prepared.submitted_at
         ttft = (first_token_at - t0) if first_token_at else 0.0
         timings = Timings(ttft, time.perf_counter() - t0, prefill_s, out.select_s)
         note = blocker or (core.reuse_note if reuse else None)
         result = _result(
-            prepared, out, text.text, list(text.ids), finish, out.recomputed_tokens, timings, out.logits, note
+            prepared,
+            out,
+            text.text,
+            list(text.ids),
+            finish,
+            out.recomputed_tokens,
+            timings,
+            out.logits,
+            note,
+            stepper.stats,
         )
-        return StreamChunk(tail, result)
+        return StreamChunk(tail, result), reply_stored
 
     def _prefill(
         self, prepared: Prepared, chunked: bool, reuse: bool, cancel: threading.Event | None
@@ -449,7 +490,13 @@ class DecodingBatch:
             hooks.on_delta,
         )
         row.on_finish = partial(self._finish, prepared, hooks, row, t_prefill)
-        self._running = RunningBatch(core.assembler, core.tokenizer, core.eos_ids, core.lock)
+        self._running = RunningBatch(
+            core.assembler,
+            core.tokenizer,
+            core.eos_ids,
+            core.lock,
+            max_draft_tokens=core.config.max_draft_tokens,
+        )
         self._running.adopt(row)
         chunks = core.chunks(prepared.canonical, prepared.request.cache_salt)
         self._lone_keys = [(c.key, c.end) for c in chunks]
@@ -511,10 +558,18 @@ class DecodingBatch:
         self, prepared: Prepared, hooks: Hooks, row: BatchRow, t_prefill: float, out: RowOutput
     ) -> None:
         """A row left the batch: its result (or what stopped it) goes to its caller now."""
-        self._settle(prepared, hooks, self._row_result(prepared, row, out, t_prefill))
+        outcome = self._row_result(prepared, row, out, t_prefill)
+        reply_stored = (
+            isinstance(outcome, GenerationResult)
+            and out.exact_cache is not None
+            and self._generation._store_reply_now(prepared, outcome.text, out.exact_cache, out.cache_ids)
+        )
+        self._settle(prepared, hooks, outcome, reply_stored=reply_stored)
 
-    def _settle(self, prepared: Prepared, hooks: Hooks, outcome: Outcome) -> None:
-        if isinstance(outcome, GenerationResult):  # queued before the caller can send the next turn
+    def _settle(
+        self, prepared: Prepared, hooks: Hooks, outcome: Outcome, *, reply_stored: bool = False
+    ) -> None:
+        if isinstance(outcome, GenerationResult) and not reply_stored:  # before the caller's next turn
             self._generation._follow_up(prepared, outcome)
         if hooks.on_outcome is not None:
             hooks.on_outcome(outcome)
@@ -532,7 +587,16 @@ class DecodingBatch:
         finish = cast(FinishReason, out.finish_reason)  # "cancelled" and "error" are left above
         note = self._generation.core.reuse_note if p.mode == "exact" else None
         return _result(
-            p, row.prefix, out.text, out.token_ids, finish, recomputed, timings, out.first_logits, note
+            p,
+            row.prefix,
+            out.text,
+            out.token_ids,
+            finish,
+            recomputed,
+            timings,
+            out.first_logits,
+            note,
+            out.speculation,
         )
 
 
@@ -546,6 +610,7 @@ def _result(
     timings: Timings,
     first_logits: torch.Tensor,
     reuse_note: str | None,
+    speculation: SpeculationStats | None = None,
 ) -> GenerationResult:
     """The result of a finished request; ``prefill`` is None for a batch row without a stored prefix."""
     cached = prefill.cached_by_tier if prefill is not None else {}
@@ -557,6 +622,8 @@ def _result(
         approx_tokens=prefill.approx_tokens if prefill is not None else 0,
         recomputed_tokens=recomputed_tokens,
         stored_tokens=prefill.stored_tokens if prefill is not None else 0,
+        drafted_tokens=speculation.drafted_tokens if speculation is not None else 0,
+        accepted_tokens=speculation.accepted_tokens if speculation is not None else 0,
     )
     logits = first_logits.clone() if prepared.request.return_logits else None
     return GenerationResult(text, token_ids, finish, usage, timings, logits, reuse_note)

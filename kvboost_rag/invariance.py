@@ -34,14 +34,20 @@ from .models import kvboost_home
 
 logger = logging.getLogger(__name__)
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 """Bumped whenever the probe or the invariant forward changes, so remembered answers are redone."""
 
 PROBE_TOKENS = KEY_BLOCK + 45
 """Long enough to cross a key block, so partial blocks are exercised."""
 
-SPLITS: tuple[tuple[int, ...], ...] = ((PROBE_TOKENS - 1,), (3, 290, KEY_BLOCK + 18))
-"""Cut points tried against one forward over all tokens: a last single token, and calls of odd
+DECODE_STEPS = 3
+"""Tokens at the end run one a call, as decode steps run them."""
+
+SPLITS: tuple[tuple[int, ...], ...] = (
+    tuple(range(PROBE_TOKENS - DECODE_STEPS, PROBE_TOKENS)),
+    (3, 290, KEY_BLOCK + 18),
+)
+"""Cut points tried against one forward over all tokens: decode steps at the end, and calls of odd
 lengths, one of them across a key-block boundary."""
 
 
@@ -63,10 +69,23 @@ def _invariant(assembler: Assembler) -> Iterator[None]:
 
 
 def _run(assembler: Assembler, ids: list[int], cuts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV of all tokens run in calls cut at ``cuts``, and each call's last logits ``[calls, vocab]``."""
     cache = assembler.new_cache(len(ids))
-    logits: torch.Tensor | None = None
+    logits = []
     for start, end in zip((0, *cuts), (*cuts, len(ids)), strict=True):
-        logits = assembler.forward(cache, ids[start:end], start, logits=end == len(ids))
+        out = assembler.forward(cache, ids[start:end], start)
+        assert out is not None
+        logits.append(out)
+    return assembler.extract(cache, 0, len(ids)), torch.stack(logits)
+
+
+def _verified(assembler: Assembler, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV of all tokens, and the logits of the last ``DECODE_STEPS`` tokens from one call (a
+    verification of drafted tokens), after the tokens before them."""
+    cache = assembler.new_cache(len(ids))
+    head = len(ids) - DECODE_STEPS
+    assembler.forward(cache, ids[:head], 0, logits=False)
+    logits = assembler.forward_tail(cache, ids[head:], head, DECODE_STEPS)
     assert logits is not None
     return assembler.extract(cache, 0, len(ids)), logits
 
@@ -83,15 +102,23 @@ def check_split_invariance(assembler: Assembler, vocab_size: int, *, seed: int =
             kv, logits = _run(assembler, ids, ())
             for cuts in SPLITS:
                 kv_split, logits_split = _run(assembler, ids, cuts)
-                if not torch.equal(kv, kv_split) or not torch.equal(logits, logits_split):
+                if not torch.equal(kv, kv_split) or not torch.equal(logits[-1], logits_split[-1]):
                     diff = (kv.float() - kv_split.float()).abs().max().item()
                     detail = (
                         f"a forward split at {list(cuts)} differs from one forward (KV by up to {diff:.1e})"
                     )
                     return InvarianceReport(False, detail, time.perf_counter() - t0)
+            kv_verified, logits_verified = _verified(assembler, ids)
+            steps = _run(assembler, ids, SPLITS[0])[1][-DECODE_STEPS:]
+            if not torch.equal(kv, kv_verified) or not torch.equal(steps, logits_verified):
+                detail = f"{DECODE_STEPS} tokens verified in one call differ from {DECODE_STEPS} decode steps"
+                return InvarianceReport(False, detail, time.perf_counter() - t0)
     except (NotImplementedError, RuntimeError, ValueError) as e:
         return InvarianceReport(False, f"the split-invariant forward failed: {e}", time.perf_counter() - t0)
-    detail = f"{PROBE_TOKENS} tokens split {len(SPLITS)} ways: KV and logits bitwise equal to one forward"
+    detail = (
+        f"{PROBE_TOKENS} tokens split {len(SPLITS)} ways and decode steps verified in one call: "
+        "KV and logits bitwise equal to one forward"
+    )
     return InvarianceReport(True, detail, time.perf_counter() - t0)
 
 

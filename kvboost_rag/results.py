@@ -29,6 +29,11 @@ class Usage:
     """Prompt tokens run through the model."""
     stored_tokens: int = 0
     """Prompt tokens newly written to the store."""
+    drafted_tokens: int = 0
+    """Tokens drafted by prompt lookup and checked by the model (speculative decoding)."""
+    accepted_tokens: int = 0
+    """Drafted tokens the model confirmed: each saved a decode forward. The output is the same
+    with speculation on or off."""
 
     @property
     def total_tokens(self) -> int:

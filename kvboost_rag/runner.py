@@ -1,4 +1,4 @@
-"""Runner: prefill from the store, and token-by-token decode.
+"""Runner: prefill from the store (decoding is :mod:`.decoding`).
 
 Prefill walks the prompt's chunks. Stored chunks are laid into the cache as
 stored; each run of missing chunks is run through the model over the cache
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
@@ -26,8 +26,6 @@ from transformers.cache_utils import Cache
 from .assembler import Assembler
 from .busy import prefill_in_progress
 from .keys import Chunk
-from .request import Request
-from .sampling import select_token
 from .store.base import Hit, KVStore, StoredChunk
 
 ATTENTION_COST_SPAN = 2048
@@ -224,25 +222,3 @@ def prefill(
     with holding_writes(assembler):
         logits, _ = filler.fill(need_logits=need_logits, store_last_logits=store_last_logits)
     return PrefillOutcome(cache, logits, filler.cached, filler.recomputed, filler.stored, filler.approx)
-
-
-def decode(
-    assembler: Assembler,
-    cache: Cache,
-    first_logits: torch.Tensor,
-    position: int,
-    request: Request,
-    eos_ids: frozenset[int],
-    max_new_tokens: int,
-) -> Iterator[int]:
-    """Yield sampled tokens until EOS (yielded too) or ``max_new_tokens``; the caller may stop early."""
-    generator = request.generator(first_logits.device)
-    logits: torch.Tensor | None = first_logits
-    for step in range(max_new_tokens):
-        assert logits is not None
-        token = select_token(logits, request, generator)
-        yield token
-        if token in eos_ids or step == max_new_tokens - 1:
-            return
-        logits = assembler.forward(cache, [token], position, exact_rows=False)
-        position += 1

@@ -6,7 +6,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .blend import record_sources
 from .canonical import CanonicalPrompt, PromptInput, Segment, normalize_text, segments_before
@@ -14,6 +14,10 @@ from .core import EngineCore
 from .errors import ContextWindowExceededError, InvalidRequestError
 from .keys import salted
 from .results import PrewarmReport, WarmReport
+from .runner import CacheFiller
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +98,56 @@ def store_reply(
 ) -> WarmReport | None:
     """Store ``messages`` and the assistant ``reply`` as the next turn renders them (see
     :meth:`KVBoostEngine.store_reply`); None when there is nothing reusable to store."""
+    head = reply_head(core, messages, reply)
+    if head is None:
+        return None
+    try:
+        return warm(core, head, salt=salt)
+    except ContextWindowExceededError:
+        return None
+
+
+def store_reply_from_cache(
+    core: EngineCore,
+    messages: Sequence[Mapping[str, Any]],
+    reply: str,
+    salt: str | None,
+    cache: Cache,
+    cache_ids: Sequence[int],
+) -> bool:
+    """Store the chunks of ``messages`` + ``reply`` (as the next turn renders them) that ``cache``
+    holds already: a request's own cache, whose ``cache_ids`` (prompt and fed reply tokens) have
+    the KV a prefill gives them. True when that covers the reply's text, so no re-prefill is
+    needed (the template's closing tokens after it are left to the next turn's prefill, which
+    runs anyway); False when the template renders the reply otherwise than the tokens fed (a stop
+    string cut it, a tool call is rendered as JSON, the reply ended at ``max_new_tokens`` and its
+    last token was never fed, ...), after storing the chunks before the first difference."""
+    head = reply_head(core, messages, reply)
+    if head is None:
+        return True  # nothing reusable to store
+    canonical = core.canonicalize(head, add_generation_prompt=False)
+    ids = canonical.token_ids
+    differ = (i for i, (mine, held) in enumerate(zip(ids, cache_ids, strict=False)) if mine != held)
+    common = next(differ, min(len(ids), len(cache_ids)))  # leading tokens the cache holds
+    chunks = core.chunks(canonical, salt)
+    filler = CacheFiller(core.assembler, ids, chunks, cache, core.store, None)
+    for i, chunk in enumerate(chunks):
+        if chunk.end > common:
+            break
+        if not core.store.contains(chunk.key):
+            filler.put(i, core.assembler.extract(cache, chunk.start, chunk.end), None)
+    reply_end = max(
+        end
+        for segment, (_, end) in zip(canonical.segments, canonical.segment_spans, strict=True)
+        if segment.kind == "message"
+    )
+    return common >= reply_end
+
+
+def reply_head(core: EngineCore, messages: Sequence[Mapping[str, Any]], reply: str) -> list[Segment] | None:
+    """The segments of ``messages`` and the assistant ``reply`` as the next turn renders them, up to
+    the end of the reply; None when nothing of it is reusable (the template cannot render it, or
+    it lies beyond a sliding window)."""
     marker = f"\x02reply-end-{uuid.uuid4().hex}\x03"
     following = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": marker}]
     try:
@@ -108,10 +162,7 @@ def store_reply(
     canonical = core.canonicalize(head, add_generation_prompt=False)
     if core.assembler.exact_reuse_blocker(len(canonical) + 1) is not None:
         return None  # beyond a sliding window: nothing of it could be reused
-    try:
-        return warm(core, head, salt=salt)
-    except ContextWindowExceededError:
-        return None
+    return head
 
 
 def token_offset(prompt: CanonicalPrompt, char_offset: int) -> int:

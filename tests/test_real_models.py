@@ -80,6 +80,29 @@ def test_smollm2_greedy_equals_hf_generate_on_real_prompts(smol_fp32):
         assert ours.token_ids == hf[0, ids.shape[1] :].tolist(), f"prompt {i}"
 
 
+def test_smollm2_a_chat_turn_sent_at_once_reads_the_reply_bitwise(smol_fp32):
+    """The reply's KV is stored with the answer (decode steps have a prefill's bits), so a turn sent
+    at once, as an agent loop sends it, recomputes only what is new, with no background re-prefill."""
+    model, tok = smol_fp32
+    engine = KVBoostEngine(model, tok)
+    queued = []
+    engine.generation.followups.submit = queued.append  # type: ignore[method-assign]
+    history = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Name three primary colours, comma separated, nothing else."},
+    ]
+    turn1 = engine.generate(history, max_new_tokens=48)
+    assert turn1.finish_reason == "stop" and turn1.usage.completion_tokens > 3
+    assert not queued  # stored with the answer
+    question = "Now name one more."
+    history += [{"role": "assistant", "content": turn1.text}, {"role": "user", "content": question}]
+    turn2 = engine.generate(history, max_new_tokens=8, return_logits=True)
+    assert turn2.usage.recomputed_tokens <= len(tok.encode(question)) + 32
+    fresh = KVBoostEngine(model, tok).generate(history, max_new_tokens=8, return_logits=True)
+    assert fresh.usage.cached_tokens == 0
+    assert turn2.token_ids == fresh.token_ids and torch.equal(turn2.first_logits, fresh.first_logits)
+
+
 @pytest.fixture(scope="module")
 def qwen_tokenizer():
     from transformers import AutoTokenizer

@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from .. import block_attention, chunk_attention
 from .buffered_cache import BufferedCache, buffered_layers, kv_layers
+from .lean_forward import KERNEL_TAG, LeanForward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
@@ -41,7 +42,9 @@ def _attention_window(config: PreTrainedConfig) -> int | None:
 class Assembler:
     """Cache assembly and forward calls for one loaded model."""
 
-    def __init__(self, model: PreTrainedModel, *, transposed_batch_weights: bool = True) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, transposed_batch_weights: bool = True, lean_forward: bool = True
+    ) -> None:
         self.model = model
         self.config = model.config
         text = model.config.get_text_config(decoder=True)
@@ -72,12 +75,17 @@ class Assembler:
         )
         self._transposed_batch_weights = transposed_batch_weights
         self._transposed: dict[torch.nn.Linear, torch.Tensor] = {}  # [in, out] copies, made on first use
+        self._lean_wanted = lean_forward and LeanForward.supports(model) is None
+        self._lean: LeanForward | None = None  # made at the first split-invariant forward (packs weights)
 
     @property
     def attention_kernel(self) -> str:
         """Names the attention arithmetic of prefill steps (part of the store namespace)."""
         if self.invariant:
-            return f"{self._block_attention}-rows{block_attention.ROW_MULTIPLE}"
+            # every LM head product of these forwards runs a multiple of ROW_MULTIPLE rows (see forward)
+            rows = block_attention.ROW_MULTIPLE
+            kernel = f"{self._block_attention}-rows{rows}-head{rows}"
+            return f"{kernel}-{KERNEL_TAG}" if self._lean_wanted else kernel
         return self._chunk_attention or str(getattr(self.model.config, "_attn_implementation", ""))
 
     @property
@@ -115,7 +123,6 @@ class Assembler:
             return DynamicCache(config=self.config)
         return BufferedCache(self.num_layers, capacity, stop)
 
-    @torch.inference_mode()
     def forward(
         self,
         cache: Cache,
@@ -133,27 +140,71 @@ class Assembler:
         In invariant mode the call is padded with filler rows to a multiple of
         ``ROW_MULTIPLE`` (their KV is dropped afterwards), so each token's KV and logits are
         the same bits however the prompt is split into calls. ``exact_rows=False`` skips the
-        padding: decode steps, whose KV is never stored, stay one row.
+        padding (one-row decode steps where the split-invariant forward does not run).
         """
+        out = self.forward_tail(cache, token_ids, start, 1 if logits else 0, exact_rows=exact_rows)
+        return out[-1] if out is not None else None
+
+    @torch.inference_mode()
+    def forward_tail(
+        self, cache: Cache, token_ids: Sequence[int], start: int, logit_rows: int, *, exact_rows: bool = True
+    ) -> torch.Tensor | None:
+        """:meth:`forward` returning float32 logits ``[logit_rows, vocab]`` of the last ``logit_rows``
+        tokens (None for 0). In invariant mode row j's logits are the bits that a call ending at that
+        token gives: drafted tokens are verified in one call with the logits of one call each."""
         n = len(token_ids)
-        invariant = self.invariant and isinstance(cache, BufferedCache)
-        rows = block_attention.round_up(n, block_attention.ROW_MULTIPLE) if invariant and exact_rows else n
+        invariant = self.invariant and exact_rows and isinstance(cache, BufferedCache)
+        rows = block_attention.round_up(n, block_attention.ROW_MULTIPLE) if invariant else n
         device = self.device
         ids = torch.tensor([[*token_ids, *[token_ids[-1]] * (rows - n)]], dtype=torch.long, device=device)
         positions = torch.arange(start, start + rows, device=device).unsqueeze(0)
-        kwargs = {"input_ids": ids, "position_ids": positions, "use_cache": True, self._cache_kwarg: cache}
-        # The LM head runs on the last real row alone, so its kernel is the same whatever the call.
-        keep = 1 if rows == n else torch.tensor([n - 1], device=device)
-        head = self._decode_head() if n == 1 and not exact_rows and logits else nullcontext()
-        with self._forward_lock, self._attention_for(cache, start, rows, invariant=exact_rows), head:
-            if not logits:
-                self.model.base_model(**kwargs)
+        keep: int | torch.Tensor | None = None
+        if logit_rows and invariant:
+            # The LM head multiplies a multiple of ROW_MULTIPLE rows (the last wanted one repeated),
+            # so its kernel, and each row's bits, are the same whatever the call and however many
+            # rows it wants: a prefill's last logits, a decode step's, a verified draft's.
+            wanted = list(range(n - logit_rows, n))
+            wanted += [n - 1] * (
+                block_attention.round_up(logit_rows, block_attention.ROW_MULTIPLE) - logit_rows
+            )
+            keep = torch.tensor(wanted, device=device)
+        elif logit_rows:
+            keep = logit_rows
+        out: torch.Tensor | None = None
+        with self._forward_lock:
+            lean = self._lean_for(cache) if invariant else None
+            if lean is not None:
+                assert isinstance(cache, BufferedCache)  # _lean_for checked
+                assert keep is None or isinstance(keep, torch.Tensor)
+                with self._invariant_queries(cache, start, rows):
+                    out = lean.forward(cache, ids, positions, block_attention.block_causal_attention, keep)
             else:
-                out = self.model(**kwargs, logits_to_keep=keep)
+                kwargs = {
+                    "input_ids": ids,
+                    "position_ids": positions,
+                    "use_cache": True,
+                    self._cache_kwarg: cache,
+                }
+                head = (
+                    self._decode_head() if n == 1 and not exact_rows and keep is not None else nullcontext()
+                )
+                with self._attention_for(cache, start, rows, invariant=exact_rows), head:
+                    if keep is None:
+                        self.model.base_model(**kwargs)
+                    else:
+                        out = self.model(**kwargs, logits_to_keep=keep).logits[0].float()
         if rows != n:
             assert isinstance(cache, BufferedCache)  # padded rows only in invariant mode, over our caches
             cache.truncate(start + n)
-        return out.logits[0, -1].float() if logits else None
+        return out[:logit_rows] if out is not None else None
+
+    def _lean_for(self, cache: Cache) -> LeanForward | None:
+        """The lean forward for a split-invariant call over ``cache`` (made at first use), or None."""
+        if not self._lean_wanted or not isinstance(cache, BufferedCache):
+            return None
+        if self._lean is None:
+            self._lean = LeanForward(self.model)
+        return self._lean
 
     @property
     def shares_prefixes(self) -> bool:
@@ -414,18 +465,24 @@ class Assembler:
             return
         if self.invariant and invariant:
             assert self._block_attention is not None  # invariant mode is set only where it can run
-            dtype = next(self.model.parameters()).dtype
-            with (
-                self._attention_switch(self._block_attention),
-                block_attention.queries_at(start, rows, self._query_groups, dtype, self.device),
-                cache.keys_padded(),
-            ):
+            with self._attention_switch(self._block_attention), self._invariant_queries(cache, start, rows):
                 yield
             return
         if self._chunk_attention is None:
             yield
             return
         with self._attention_switch(self._chunk_attention):
+            yield
+
+    @contextmanager
+    def _invariant_queries(self, cache: BufferedCache, start: int, rows: int) -> Iterator[None]:
+        """Inside: the split-invariant attention's masks for ``rows`` queries at ``start..``, and the
+        cache handing out whole key blocks."""
+        dtype = next(self.model.parameters()).dtype
+        with (
+            block_attention.queries_at(start, rows, self._query_groups, dtype, self.device),
+            cache.keys_padded(),
+        ):
             yield
 
     @contextmanager
