@@ -212,6 +212,47 @@ def concurrency_section(data: dict) -> list[str]:
     return lines
 
 
+DECODE_METHODS = {
+    "kvboost": "kvboost",
+    "kvboost_speculative": "kvboost speculative",
+    "hf_generate": "HF generate",
+    "hf_prompt_lookup": "HF prompt lookup",
+    "llama_cpp": "llama.cpp (Q4_1)",
+}
+
+
+def decode_section(data: dict) -> list[str]:
+    floor = data["floor"]
+    cells = data["cells"]
+    methods = [m for m in DECODE_METHODS if m in cells[0]["decode_ms"]]
+    lines = [
+        f"Weight-read floor: {floor['weight_bytes'] / 1e6:.0f} MB a step at "
+        f"{floor['read_bytes_per_s'] / 1e9:.1f} GB/s = {floor['ms_per_token']:.1f} ms/token (a oneDNN-packed "
+        f"product reads at {floor['packed_read_bytes_per_s'] / 1e9:.1f} GB/s: "
+        f"{floor['packed_ms_per_token']:.1f} ms). {data['settings']['new_tokens']} new tokens per request, "
+        "EOS ignored on every side; decode ms/token median (min-max over prompts), "
+        "end to end = TTFT + all tokens (kvboost warm).",
+        "",
+        "| workload | context | " + " | ".join(DECODE_METHODS[m] for m in methods) + " | kvboost / floor "
+        "| speculative over HF generate | over HF prompt lookup | drafts accepted | end to end kvboost "
+        "speculative / HF generate |",
+        "|---|---:|" + "---:|" * (len(methods) + 5),
+    ]
+    for c in cells:
+        ms = c["decode_ms"]
+        e2e = c["end_to_end_s"]
+        lines.append(
+            f"| {c['workload']} | {c['prompt_tokens']['median']:.0f} | "
+            + " | ".join(f"{ms[m]['median']:.1f} ({ms[m]['min']:.1f}-{ms[m]['max']:.1f})" for m in methods)
+            + f" | {c['floor_ratio']['kvboost']['median']:.2f}x "
+            f"| {c['speedup_over_hf_generate']['kvboost_speculative']['median']:.2f}x "
+            f"| {c['speedup_over_hf_prompt_lookup']['kvboost_speculative']['median']:.2f}x "
+            f"| {100 * c['acceptance']:.0f} % "
+            f"| {ms(e2e['kvboost_speculative']['median'])} / {ms(e2e['hf_generate']['median'])} |"
+        )
+    return lines
+
+
 def targets(results: dict[str, Any]) -> list[str]:
     """Each DESIGN.md target with the figure reached (medians of per-repetition ratios)."""
     rows: list[tuple[str, str, bool]] = []
@@ -286,6 +327,29 @@ def targets(results: dict[str, Any]) -> list[str]:
         t = chat["turns"][-1]
         x = t["speedup"]["plain_hf"]["median"]
         add(f"multi-turn chat >= 5x TTFT at turn {t['turn']}", f"{x:.2f}x", x >= 5)
+    if decode := results.get("decode"):
+        one_k = [
+            c
+            for c in decode["cells"]
+            if c["context_tokens"] == min(x["context_tokens"] for x in decode["cells"])
+        ]
+        worst = max(c["floor_ratio"]["kvboost"]["median"] for c in one_k)
+        slowest = min(c["speedup_over_hf_generate"]["kvboost"]["median"] for c in one_k)
+        add(
+            f"decode, no speculation, {one_k[0]['context_tokens']} tokens of context: <= 1.5x the "
+            "weight-read floor and >= 1.5x HF generate",
+            f"{worst:.2f}x the floor, {slowest:.2f}x HF generate (worst workload)",
+            worst <= 1.5 and slowest >= 1.5,
+        )
+        for c in (c for c in decode["cells"] if c["workload"] == "rag"):
+            over_hf = c["speedup_over_hf_generate"]["kvboost_speculative"]["median"]
+            over_lookup = c["speedup_over_hf_prompt_lookup"]["kvboost_speculative"]["median"]
+            add(
+                f"speculation on RAG answers ({c['context_tokens']} tokens): >= 2x HF generate, >= 1.5x HF "
+                "prompt lookup",
+                f"{over_hf:.2f}x, {over_lookup:.2f}x",
+                over_hf >= 2 and over_lookup >= 1.5,
+            )
     if conc := results.get("concurrency"):
         for r in conc["rows"]:
             x = r["batched_over_one_by_one"]["median"]
@@ -455,6 +519,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ),
     ("concurrency", "Concurrent requests sharing a 1K-token prefix", concurrency_section),
     ("server_load", "`kvboost-rag serve` under load on loopback", server_section),
+    ("decode", "Decode speed of one stream, speculation from the prompt, and peers", decode_section),
 ]
 
 
@@ -511,6 +576,8 @@ def block() -> list[str]:
             ]
             if name == "ttft":
                 lines += ["![TTFT vs prompt length](docs/benchmarks/ttft.png)", ""]
+            if name == "decode" and (BENCH / "decode.png").exists():
+                lines += ["![Decode ms/token per workload](docs/benchmarks/decode.png)", ""]
             if name == "server_load" and (BENCH / "server_load.png").exists():
                 lines += ["![The server under load](docs/benchmarks/server_load.png)", ""]
     lines.append(END)

@@ -60,6 +60,8 @@ WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
     ),
     # store codecs: entry size, disk-tier TTFT, and answers from lossy entries against exact mode
     "store_codecs": (["store_codecs.py"], ["store_codecs.py", "--quick"]),
+    # one stream's decode: ms/token vs the weight-read floor, HF generate (+ prompt lookup), llama.cpp
+    "decode": (["decode.py"], ["decode.py", "--quick"]),
     # `kvboost-rag serve` on loopback: 8 clients for 30 s per request mix, no failures allowed
     "server_load": (
         ["server_load.py"],

@@ -105,8 +105,11 @@ class EngineConfig(BaseModel):
 
     store_replies: bool = True
     """After a chat request (messages), store its reply as the chat template renders it in the
-    next turn, in the background once no request has been in progress for a moment, so the next
-    turn reuses it. ``engine.flush()`` waits for that work (before timing the model directly, say)."""
+    next turn, so the next turn reuses it: from the request's own cache as the answer returns
+    (decode steps have a prefill's bits), or, where the template renders the reply otherwise than
+    the tokens generated (or the reply was decoded in a batch), by a re-prefill in the background
+    once no request has been in progress for a moment. ``engine.flush()`` waits for that work
+    (before timing the model directly, say)."""
 
     max_memory_bytes: int = Field(default=2 * 1024**3, ge=0)
     """Byte budget of the memory tier; least valuable chunks are evicted beyond it."""

@@ -80,9 +80,14 @@ class _Projections:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.packed is not None:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
+            return list(self.fused(x).split(self.sizes, dim=-1))
         return [F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True)]
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The projections side by side on the last axis."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.cat(self(x), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -203,12 +208,13 @@ class LeanForward:
         rows = ids.shape[1]
         for layer, cache_layer in zip(self._layers, buffered_layers(cache), strict=True):
             residual = hidden
-            q, k, v = layer.qkv(layer.input_norm(hidden))
-            q = q.view(1, rows, layer.heads, layer.head_dim).transpose(1, 2)
-            k = k.view(1, rows, layer.kv_heads, layer.head_dim).transpose(1, 2)
-            v = v.view(1, rows, layer.kv_heads, layer.head_dim).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
+            qkv = layer.qkv.fused(layer.input_norm(hidden))  # [1, rows, (heads + 2 * kv_heads) * dim]
+            # queries and keys rotated in one pass: [1, heads + kv_heads, rows, dim]
+            qk = qkv[..., : (heads + kv_heads) * dim].view(1, rows, heads + kv_heads, dim).transpose(1, 2)
+            qk = (qk * cos) + (_rotate_half(qk) * sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[..., (heads + kv_heads) * dim :].view(1, rows, kv_heads, dim).transpose(1, 2)
             keys, values = cache_layer.update(k, v)
             out, _ = attention(
                 layer.attention_module, q, keys, values, None, dropout=0.0, scaling=layer.scaling
