@@ -95,17 +95,19 @@ def step_weight_bytes(model: Any) -> int:
 
 
 def rag_prompts(tok: Any, tokens: int, n: int) -> list[list[dict[str, str]]]:
-    passages, questions = make_questions(tok, n, passage_tokens=250, seed=7)
+    """The blend benchmark's questions over its passages (the answering one first), as many passages
+    as fit in ``tokens``; the question asks for the answer with its sentence quoted."""
+    passages, questions = make_questions(tok, max(n, tokens // 250 + 2), passage_tokens=250, seed=7)
     out = []
     for q_index, q in enumerate(questions[:n]):
-        docs = [q_index, *[k for k in range(len(passages)) if k != q_index]]
-        chosen, used = [], 0
-        for k in docs:
-            if used + 260 > tokens - 80:
+        question = f"{q['question']} Quote the sentence of the documents that gives it, then explain."
+        chosen: list[str] = []
+        for k in [q_index, *[k for k in range(len(passages)) if k != q_index]]:
+            user = "Documents:\n\n" + "\n\n".join([*chosen, passages[k]]) + f"\n\nQuestion: {question}"
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+            if len(tok.apply_chat_template(messages, tokenize=True)) > tokens:
                 break
             chosen.append(passages[k])
-            used += 260
-        question = f"{q['question']} Quote the sentence of the documents that gives it, then explain."
         user = "Documents:\n\n" + "\n\n".join(chosen) + f"\n\nQuestion: {question}"
         out.append([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}])
     return out

@@ -176,7 +176,7 @@ class Assembler:
             if lean is not None:
                 assert isinstance(cache, BufferedCache)  # _lean_for checked
                 assert keep is None or isinstance(keep, torch.Tensor)
-                with self._invariant_queries(cache, start, rows):
+                with self._invariant_queries(cache, start, rows, real=n):
                     out = lean.forward(cache, ids, positions, block_attention.block_causal_attention, keep)
             else:
                 kwargs = {
@@ -188,7 +188,7 @@ class Assembler:
                 head = (
                     self._decode_head() if n == 1 and not exact_rows and keep is not None else nullcontext()
                 )
-                with self._attention_for(cache, start, rows, invariant=exact_rows), head:
+                with self._attention_for(cache, start, rows, n, invariant=exact_rows), head:
                     if keep is None:
                         self.model.base_model(**kwargs)
                     else:
@@ -452,10 +452,13 @@ class Assembler:
         return self.model.config.get_text_config(decoder=True).num_hidden_layers
 
     @contextmanager
-    def _attention_for(self, cache: Cache, start: int, rows: int, *, invariant: bool) -> Iterator[None]:
+    def _attention_for(
+        self, cache: Cache, start: int, rows: int, real: int, *, invariant: bool
+    ) -> Iterator[None]:
         """Select our attention for the duration of one forward of ``rows`` queries at ``start..``
-        over a buffered cache: split-invariant in invariant mode (decode steps, whose KV is never
-        stored, excepted: ``invariant=False``), the chunk attention otherwise.
+        (the first ``real`` wanted, the rest filler rows) over a buffered cache: split-invariant in
+        invariant mode (one-row decode steps excepted: ``invariant=False``), the chunk attention
+        otherwise.
 
         The switch is on the shared config, so it is held only inside the call (under
         the forward lock), and the model is left as it was.
@@ -465,7 +468,10 @@ class Assembler:
             return
         if self.invariant and invariant:
             assert self._block_attention is not None  # invariant mode is set only where it can run
-            with self._attention_switch(self._block_attention), self._invariant_queries(cache, start, rows):
+            with (
+                self._attention_switch(self._block_attention),
+                self._invariant_queries(cache, start, rows, real=real),
+            ):
                 yield
             return
         if self._chunk_attention is None:
@@ -475,12 +481,12 @@ class Assembler:
             yield
 
     @contextmanager
-    def _invariant_queries(self, cache: BufferedCache, start: int, rows: int) -> Iterator[None]:
-        """Inside: the split-invariant attention's masks for ``rows`` queries at ``start..``, and the
-        cache handing out whole key blocks."""
+    def _invariant_queries(self, cache: BufferedCache, start: int, rows: int, *, real: int) -> Iterator[None]:
+        """Inside: the split-invariant attention's masks for ``rows`` queries at ``start..`` (the first
+        ``real`` attended, the rest filler rows), and the cache handing out whole key blocks."""
         dtype = next(self.model.parameters()).dtype
         with (
-            block_attention.queries_at(start, rows, self._query_groups, dtype, self.device),
+            block_attention.queries_at(start, rows, self._query_groups, dtype, self.device, real=real),
             cache.keys_padded(),
         ):
             yield
