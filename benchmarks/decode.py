@@ -94,6 +94,12 @@ def step_weight_bytes(model: Any) -> int:
 # -- the prompts ---------------------------------------------------------------------------------
 
 
+def prompt_tokens(tok: Any, messages: list[dict[str, str]]) -> int:
+    """Tokens of ``messages`` as the chat template renders them, with the generation prompt."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return len(tok.encode(text, add_special_tokens=False))
+
+
 def rag_prompts(tok: Any, tokens: int, n: int) -> list[list[dict[str, str]]]:
     """The blend benchmark's questions over its passages (the answering one first), as many passages
     as fit in ``tokens``; the question asks for the answer with its sentence quoted."""
@@ -105,7 +111,7 @@ def rag_prompts(tok: Any, tokens: int, n: int) -> list[list[dict[str, str]]]:
         for k in [q_index, *[k for k in range(len(passages)) if k != q_index]]:
             user = "Documents:\n\n" + "\n\n".join([*chosen, passages[k]]) + f"\n\nQuestion: {question}"
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
-            if len(tok.apply_chat_template(messages, tokenize=True)) > tokens:
+            if prompt_tokens(tok, messages) > tokens:
                 break
             chosen.append(passages[k])
         user = "Documents:\n\n" + "\n\n".join(chosen) + f"\n\nQuestion: {question}"
@@ -119,13 +125,10 @@ def chat_prompts(tok: Any, tokens: int, n: int) -> list[list[dict[str, str]]]:
         messages = [{"role": "system", "content": SYSTEM}]
         for i in range(0, len(conversation), 2):
             messages.append(conversation[i])
-            if len(tok.apply_chat_template(messages, tokenize=True)) >= tokens:
+            if prompt_tokens(tok, messages) >= tokens:
                 break
             messages.append(conversation[i + 1])
-        if (
-            messages[-1]["role"] == "user"
-            and len(tok.apply_chat_template(messages, tokenize=True)) >= 0.8 * tokens
-        ):
+        if messages[-1]["role"] == "user" and prompt_tokens(tok, messages) >= 0.8 * tokens:
             out.append(messages)
         if len(out) == n:
             return out

@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from .. import block_attention, chunk_attention
 from .buffered_cache import BufferedCache, buffered_layers, kv_layers
-from .lean_forward import KERNEL_TAG, LeanForward
+from .lean_forward import KERNEL_TAG, LeanForward, lean_forward_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
@@ -203,7 +203,7 @@ class Assembler:
         if not self._lean_wanted or not isinstance(cache, BufferedCache):
             return None
         if self._lean is None:
-            self._lean = LeanForward(self.model)
+            self._lean = lean_forward_of(self.model)
         return self._lean
 
     @property
