@@ -122,3 +122,52 @@ def local_redis() -> Iterator[str | None]:
         finally:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def read_bandwidth(dtype: torch.dtype, *, packed: bool, reps: int = 20) -> float:
+    """Bytes/s of a one-row product over an 8192x8192 weight of ``dtype`` (median of ``reps``):
+    ``F.linear``, or the oneDNN-packed product the engine runs (``packed``)."""
+    import torch.nn.functional as F
+
+    weight = torch.randn(8192, 8192).to(dtype)
+    x = torch.randn(1, 8192).to(dtype)
+    packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if packed else None
+
+    def product() -> torch.Tensor:
+        if packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+        return F.linear(x, weight)
+
+    for _ in range(3):
+        product()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        product()
+        times.append(time.perf_counter() - t0)
+    return weight.numel() * weight.element_size() / statistics.median(times)
+
+
+def step_weight_bytes(model: Any) -> int:
+    """Bytes of weights one forward step reads: every parameter once, the input embedding only where
+    it is the (tied) LM head (a lookup reads a few rows of it)."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    params = {id(p): p for p in model.parameters()}
+    if embedding is not head:
+        params.pop(id(embedding))
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
+def weight_read_floor(model: Any) -> dict[str, float]:
+    """DESIGN.md's weight-read floor of ``model``: weight bytes / read bandwidth of a one-row product
+    (``ms_per_token``), measured now, with the packed product's beside it (``packed_ms_per_token``)."""
+    dtype = next(model.parameters()).dtype
+    floor: dict[str, float] = {
+        "weight_bytes": step_weight_bytes(model),
+        "read_bytes_per_s": read_bandwidth(dtype, packed=False),
+        "packed_read_bytes_per_s": read_bandwidth(dtype, packed=True),
+    }
+    floor["ms_per_token"] = 1000 * floor["weight_bytes"] / floor["read_bytes_per_s"]
+    floor["packed_ms_per_token"] = 1000 * floor["weight_bytes"] / floor["packed_read_bytes_per_s"]
+    return floor

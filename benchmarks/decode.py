@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -36,12 +35,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from blend_quality import make_questions  # noqa: E402
 from chat_replay import conversations  # noqa: E402
-from common import RESULTS_DIR, essay_text, summary, text_of_tokens, write_results  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    essay_text,
+    summary,
+    text_of_tokens,
+    weight_read_floor,
+    write_results,
+)
 from peers import LlamaCppPeer, llama_cpp_available, prefill_cache  # noqa: E402
 
 from kvboost_rag import EngineConfig, KVBoostEngine  # noqa: E402
@@ -51,44 +56,6 @@ MODEL = "smollm2-135m-instruct"
 SYSTEM = "You are a helpful assistant."
 STORY = "Now write a short story about a lighthouse keeper who finds a message in a bottle."
 METHODS = ["kvboost", "kvboost_speculative", "hf_generate", "hf_prompt_lookup", "llama_cpp"]
-
-
-# -- the floor -----------------------------------------------------------------------------------
-
-
-def read_bandwidth(dtype: torch.dtype, *, packed: bool, reps: int = 20) -> float:
-    """Bytes/s of a one-row product over an 8192x8192 weight (median of ``reps``)."""
-    weight = torch.randn(8192, 8192).to(dtype)
-    x = torch.randn(1, 8192).to(dtype)
-    if packed:
-        w = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-
-        def product() -> torch.Tensor:
-            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    else:
-
-        def product() -> torch.Tensor:
-            return F.linear(x, weight)
-
-    for _ in range(3):
-        product()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        product()
-        times.append(time.perf_counter() - t0)
-    return weight.numel() * weight.element_size() / statistics.median(times)
-
-
-def step_weight_bytes(model: Any) -> int:
-    """Bytes of weights one decode step reads: every parameter once, the input embedding only where
-    it is the (tied) LM head."""
-    embedding = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    params = {id(p): p for p in model.parameters()}
-    if embedding is not head:
-        params.pop(id(embedding))
-    return sum(p.numel() * p.element_size() for p in params.values())
 
 
 # -- the prompts ---------------------------------------------------------------------------------
@@ -238,13 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ignore_eos(engine)
     use_llama = llama_cpp_available() and not args.no_llama_cpp
     eos = tok.eos_token_id
-    floor = {
-        "weight_bytes": step_weight_bytes(model),
-        "read_bytes_per_s": read_bandwidth(dtype, packed=False),
-        "packed_read_bytes_per_s": read_bandwidth(dtype, packed=True),
-    }
-    floor["ms_per_token"] = 1000 * floor["weight_bytes"] / floor["read_bytes_per_s"]
-    floor["packed_ms_per_token"] = 1000 * floor["weight_bytes"] / floor["packed_read_bytes_per_s"]
+    floor = weight_read_floor(model)
     print(
         f"floor: {floor['weight_bytes'] / 1e6:.0f} MB a step at {floor['read_bytes_per_s'] / 1e9:.1f} GB/s "
         f"= {floor['ms_per_token']:.1f} ms/token (packed product: {floor['packed_ms_per_token']:.1f} ms)",

@@ -167,7 +167,11 @@ class RunningBatch:
         ]
         self._cache, self.shared_tokens = cache, 0
         self._stepper = DecodeStepper(
-            self._assembler, cache, row.token_ids, max_draft_tokens=self._max_draft_tokens
+            self._assembler,
+            cache,
+            row.token_ids,
+            end=len(row.token_ids) + row.max_new_tokens,
+            max_draft_tokens=self._max_draft_tokens,
         )
         self._valid = torch.ones(1, len(row.token_ids), dtype=torch.bool, device=device)
         self._next_position = torch.tensor([len(row.token_ids)], device=device)

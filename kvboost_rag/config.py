@@ -185,18 +185,20 @@ class EngineConfig(BaseModel):
     batch_transposed_weights: bool = True
     """On CPU, batched steps multiply by a transposed copy of each linear weight, which BLAS
     runs several times faster for a few rows (an 8-row SmolLM2 decode step: 113 ms against
-    151 ms), and a lone request's decode steps do so for the LM head (a tenth of a SmolLM2
-    step); costs one extra copy of the weights (the LM head's at the first decode step, the
-    others' at the first batch). Prefills never use them. False: no copy."""
+    151 ms), and one-row decode steps (the canonical schedule) do so for the LM head (a tenth of
+    a SmolLM2 step); costs one extra copy of the weights (made at first use). Prefills and the
+    split-invariant decode steps of lone requests never use them. False: no copy."""
 
     max_draft_tokens: int = Field(default=7, ge=0, le=63)
     """Speculative decoding from the prompt: most tokens drafted per decode step by looking up the
     sequence's last tokens in the prompt and the reply so far (answers quote their documents),
     verified by the model in one forward; 0 turns it off. The output is the same either way
     (greedy: tokens and logits bitwise; seeded sampling: the same tokens). Up to 7 drafts ride in
-    the rows that a split-invariant decode step pads anyway, so they cost next to nothing; more
-    are drafted only after drafts were confirmed whole twice in a row (a step of 16 rows costs
-    ~1.3x one of 8 on a 2-core CPU). Lone requests only, with the split-invariant forward."""
+    the rows that a split-invariant decode step pads for its matrix products anyway (only their
+    attention costs a little); drafting pauses after three verifications in a row confirmed
+    nothing, and more than 7 are drafted only after drafts were confirmed whole twice in a row
+    (a step of 16 rows costs ~1.3x one of 8 on a 2-core CPU). Lone requests only, with the
+    split-invariant forward."""
 
     stream_buffer_deltas: int = Field(default=4096, ge=1)
     """Most undelivered text deltas a stream may hold while its reader falls behind; past it the

@@ -29,12 +29,9 @@ from transformers.cache_utils import Cache
 from .assembler import Assembler
 from .assembler.buffered_cache import BufferedCache
 from .block_attention import ROW_MULTIPLE
-from .drafting import NgramDrafter
+from .drafting import DraftBudget, NgramDrafter
 from .request import Request
 from .sampling import select_token
-
-WIDE_DRAFT_AFTER = 2
-"""Full acceptances in a row after which drafts may pass one pad block (``max_draft_tokens`` > 7)."""
 
 
 @dataclass
@@ -52,7 +49,9 @@ class DecodeStepper:
 
     ``cache`` holds ``position`` tokens (``history``: their ids). :meth:`next_logits` takes the
     token just chosen and returns float32 logits ``[vocab]`` for the next one; it runs a forward
-    only when that token was not drafted and verified already.
+    only when that token was not drafted and verified already. ``end``: the request's last
+    position + 1 (prompt and ``max_new_tokens``); no draft is fed past what can still be chosen,
+    so drafts never run past the cache's capacity or the model's positions.
     """
 
     def __init__(
@@ -61,9 +60,10 @@ class DecodeStepper:
         cache: Cache,
         history: Sequence[int],
         *,
+        end: int,
         max_draft_tokens: int,
     ) -> None:
-        self._assembler, self._cache = assembler, cache
+        self._assembler, self._cache, self._end = assembler, cache, end
         self.position = len(history)
         """Tokens whose KV the cache holds for sure (the prompt, then each token fed and confirmed)."""
         self.exact = assembler.invariant and isinstance(cache, BufferedCache)
@@ -72,7 +72,8 @@ class DecodeStepper:
         self._drafter = NgramDrafter(history) if self._max_draft else None
         self._pending: list[int] = []  # drafted tokens fed after the last confirmed one
         self._pending_logits: torch.Tensor | None = None  # [len(pending), vocab]: after each draft
-        self._full_runs = 0
+        self._budget = DraftBudget(self._max_draft, free_rows=ROW_MULTIPLE - 1)
+        self._drafted = self._confirmed = 0  # of the last verification
         self.stats = SpeculationStats()
 
     def next_logits(self, token: int) -> torch.Tensor:
@@ -83,17 +84,16 @@ class DecodeStepper:
             self._pending, self._pending_logits = self._pending[1:], self._pending_logits[1:]
             self.position += 1
             self.stats.accepted_tokens += 1
+            self._confirmed += 1
             if self._drafter is not None:
                 self._drafter.extend([token])
-            if not self._pending:
-                self._full_runs += 1
             return logits
-        if self._pending:  # the model chose otherwise: drop the drafts' KV
-            self._full_runs = 0
-            self.settle()
+        self.settle()  # the model chose otherwise (or nothing was drafted): drop the drafts' KV
+        self._budget.record(drafted=self._drafted, accepted=self._confirmed)
         if self._drafter is not None:
             self._drafter.extend([token])
         drafts = self._drafter.draft(self._draft_room()) if self._drafter is not None else []
+        self._drafted, self._confirmed = len(drafts), 0
         assembler, cache = self._assembler, self._cache
         rows = [token, *drafts]
         if self.exact:
@@ -115,11 +115,8 @@ class DecodeStepper:
             self._pending, self._pending_logits = [], None
 
     def _draft_room(self) -> int:
-        """Drafts that fit the pad rows of one step; more after drafts were confirmed whole."""
-        room = min(self._max_draft, ROW_MULTIPLE - 1)
-        if self._full_runs >= WIDE_DRAFT_AFTER:
-            room = self._max_draft
-        return room
+        """Drafts the budget allows, before the last position (whose token is chosen, never fed)."""
+        return max(min(self._budget.room(), self._end - 2 - self.position), 0)
 
 
 def decode(

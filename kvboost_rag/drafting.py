@@ -23,6 +23,13 @@ import numpy as np
 MAX_NGRAM = 3
 """Longest suffix looked up; shorter ones are tried when it has no earlier occurrence."""
 
+WIDE_AFTER = 2
+"""Verifications confirmed whole in a row after which drafts may pass the free rows."""
+MISSES_BEFORE_PAUSE = 3
+"""Verifications in a row with no draft confirmed, after which drafting pauses."""
+PAUSE_STEPS = (2, 16)
+"""The first pause, in decode steps, and the longest: each pause that follows a pause doubles."""
+
 
 class NgramDrafter:
     """Proposes the continuation of the latest earlier occurrence of the sequence's last n tokens
@@ -63,3 +70,49 @@ class NgramDrafter:
                 follow = int(starts[-1]) + n
                 return ids[follow : follow + max_tokens].tolist()
         return []
+
+
+class DraftBudget:
+    """How many tokens to draft next, from how the last drafts fared.
+
+    Drafts up to ``free_rows`` ride in rows a step runs anyway; their attention still costs a
+    little, so drafting pauses after ``MISSES_BEFORE_PAUSE`` verifications in a row confirmed
+    nothing (text that quotes nothing), for longer each time. After ``WIDE_AFTER`` verifications
+    confirmed whole (a long quote), up to ``max_tokens`` are drafted.
+
+    >>> budget = DraftBudget(15, free_rows=7)
+    >>> budget.room()
+    7
+    >>> for _ in range(3): budget.record(drafted=7, accepted=0)
+    >>> budget.room(), budget.room()  # paused for two steps
+    (0, 0)
+    >>> budget.record(drafted=0, accepted=0); budget.record(drafted=0, accepted=0); budget.room()
+    7
+    >>> budget.record(drafted=7, accepted=7); budget.record(drafted=7, accepted=7); budget.room()
+    15
+    """
+
+    def __init__(self, max_tokens: int, *, free_rows: int) -> None:
+        self._max, self._free = max_tokens, min(max_tokens, free_rows)
+        self._whole = self._misses = self._paused = 0
+        self._next_pause = PAUSE_STEPS[0]
+
+    def room(self) -> int:
+        """Tokens to draft for the next step."""
+        if self._paused:
+            return 0
+        return self._max if self._whole >= WIDE_AFTER else self._free
+
+    def record(self, *, drafted: int, accepted: int) -> None:
+        """How the last step's drafts fared (``drafted=0``: the step drafted nothing)."""
+        if not drafted:
+            self._paused = max(self._paused - 1, 0)
+            return
+        self._whole = self._whole + 1 if accepted == drafted else 0
+        if accepted:
+            self._misses, self._next_pause = 0, PAUSE_STEPS[0]
+            return
+        self._misses += 1
+        if self._misses >= MISSES_BEFORE_PAUSE:
+            self._paused, self._misses = self._next_pause, 0
+            self._next_pause = min(2 * self._next_pause, PAUSE_STEPS[1])

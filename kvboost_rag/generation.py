@@ -376,7 +376,11 @@ class Generation:
         first_token_at = None
         finish: FinishReason = "length"
         stepper = DecodeStepper(
-            core.assembler, out.cache, canonical.token_ids, max_draft_tokens=core.config.max_draft_tokens
+            core.assembler,
+            out.cache,
+            canonical.token_ids,
+            end=n_prompt + max_new,
+            max_draft_tokens=core.config.max_draft_tokens,
         )
         for token in decode(stepper, out.logits, request, core.eos_ids, max_new):
             if cancel is not None and cancel.is_set():

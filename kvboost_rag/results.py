@@ -74,6 +74,8 @@ class GenerationResult:
             "approx_tokens": u.approx_tokens,
             "recomputed_tokens": u.recomputed_tokens,
             "stored_tokens": u.stored_tokens,
+            "drafted_tokens": u.drafted_tokens,
+            "accepted_tokens": u.accepted_tokens,
             "ttft_s": t.ttft_s,
             "blend_select_s": t.select_s,
             "total_s": t.total_s,

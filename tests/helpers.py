@@ -214,35 +214,46 @@ def assert_same_chunk(a, b) -> None:
 
 
 class LayerSpy:
-    """Calls ``cancel`` when a forward of at least ``tokens`` tokens enters layer 0, then records the
-    layers that such long forwards enter after it."""
+    """Calls ``cancel`` when a forward of at least ``tokens`` tokens reaches its first layer, then
+    records the layers that such long forwards reach after it.
+
+    A layer is reached when its keys go into the cache (``BufferedLayer.update``, where a cancelled
+    forward stops): every forward of ``engine`` writes there, through the model's modules or the
+    lean forward alike. Layers are numbered by the order of the writes of long forwards.
+    """
 
     def __init__(self, engine: Any, tokens: int = 256) -> None:
+        from kvboost_rag.assembler.buffered_cache import BufferedLayer
+
         self.cancel: Callable[[], object] = lambda: None
         self.fired = threading.Event()
         self.after: list[int] = []
-        self._handles = [
-            layer.register_forward_pre_hook(self._hook(i), with_kwargs=True)
-            for i, layer in enumerate(engine.assembler.model.model.layers)
-        ]
         self.tokens = tokens
+        self._layers = engine.assembler.num_layers
+        self._writes = 0
+        self._original = original = BufferedLayer.update
+        spy = self
 
-    def _hook(self, index: int):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            if self.fired.is_set():
-                if hidden.shape[1] >= self.tokens:
-                    self.after.append(index)
-            elif index == 0 and hidden.shape[1] >= self.tokens:
-                self.fired.set()
-                self.after.append(index)
-                self.cancel()
+        def update(layer: Any, key_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if key_states.shape[-2] >= spy.tokens:
+                spy._reached(spy._writes % spy._layers)
+                spy._writes += 1
+            return original(layer, key_states, *args, **kwargs)
 
-        return hook
+        BufferedLayer.update = update  # type: ignore[method-assign]
+
+    def _reached(self, index: int) -> None:
+        if self.fired.is_set():
+            self.after.append(index)
+        elif index == 0:
+            self.fired.set()
+            self.after.append(index)
+            self.cancel()
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        from kvboost_rag.assembler.buffered_cache import BufferedLayer
+
+        BufferedLayer.update = self._original  # type: ignore[method-assign]
 
 
 def record_astreams(monkeypatch: Any, engine: Any) -> list:

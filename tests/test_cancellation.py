@@ -1,9 +1,9 @@
 """Cancellation: a request stops at its next layer, in a long prefill too; the others and the store
 are unaffected.
 
-A spy on the decoder layers (:class:`helpers.LayerSpy`) cancels the request as a long forward
-enters its first layer, and records every layer entered afterwards: a prefill that honours the
-cancellation enters none but that first one.
+A spy on the layers' cache writes (:class:`helpers.LayerSpy`) cancels the request as a long forward
+reaches its first layer, and records every layer reached afterwards: a prefill that honours the
+cancellation reaches none but that first one.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def run_decode(
     cache = assembler.new_cache(len(prompt) + new_tokens)
     first = assembler.forward(cache, prompt, 0)
     assert first is not None
-    stepper = DecodeStepper(assembler, cache, prompt, max_draft_tokens=drafts)
+    stepper = DecodeStepper(assembler, cache, prompt, end=len(prompt) + new_tokens, max_draft_tokens=drafts)
     seen: list[torch.Tensor] = [first]
     original = stepper.next_logits
 
@@ -85,6 +85,27 @@ def test_a_decoded_tokens_kv_is_what_a_prefill_of_the_same_tokens_gives(drafts):
     last = assembler.forward(cold, fed, 0)
     assert torch.equal(assembler.extract(decoded, 0, len(fed)), assembler.extract(cold, 0, len(fed)))
     assert last is not None and torch.equal(last, logits[-1])
+
+
+def test_drafts_are_never_fed_past_the_last_position_that_can_be_chosen():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    assembler = invariant_assembler(model)
+    prompt = tok.encode(QUOTED)
+    fed_ends = []
+    forward_tail = assembler.forward_tail
+
+    def recording(cache, token_ids, start, logit_rows, **kw):
+        fed_ends.append(start + len(token_ids))
+        return forward_tail(cache, token_ids, start, logit_rows, **kw)
+
+    assembler.forward_tail = recording  # type: ignore[method-assign]
+    for new_tokens in (2, 9, 30):
+        fed_ends.clear()
+        tokens, _, stepper = run_decode(assembler, prompt, new_tokens, drafts=15)
+        assert len(tokens) == new_tokens
+        # the prefill fed the prompt; decode steps feed every token but the last one chosen
+        assert max(fed_ends) <= len(prompt) + new_tokens - 1
+    assert stepper.stats.drafted_tokens > 0
 
 
 def test_without_the_split_invariant_forward_nothing_is_drafted():

@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+import torch
 from helpers import record_admissions, tiny_model, tiny_tokenizer
 
 from kvboost_rag import EngineConfig, KVBoostEngine
+from kvboost_rag.assembler.buffered_cache import BufferedLayer
 from kvboost_rag.limits import ServerLimits
 
 pytest.importorskip("fastapi")
@@ -758,7 +760,7 @@ def test_load_loop_runs_briefly_without_failures(served, monkeypatch):
     assert result["requests"] >= 2 and result["latency_s"]["p50"] > 0 and result["ttft_stream_s"]["n"] >= 1
 
 
-def test_shutdown_ends_within_the_grace_period_while_long_prefills_run():
+def test_shutdown_ends_within_the_grace_period_while_long_prefills_run(monkeypatch):
     # Each layer of a prefill forward takes 0.5 s: these prompts would prefill for about 10 s.
     engine = KVBoostEngine(
         tiny_model("llama"),
@@ -767,14 +769,15 @@ def test_shutdown_ends_within_the_grace_period_while_long_prefills_run():
         model_name=MODEL,
     )
     prefills = threading.Event()
+    write = BufferedLayer.update
 
-    def slow(module: Any, args: tuple) -> None:
-        if args[0].shape[1] >= 64:
+    def slow(layer: BufferedLayer, key_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if key_states.shape[-2] >= 64:  # each layer of a long forward writes its keys here
             prefills.set()
             time.sleep(0.5)
+        return write(layer, key_states, *args, **kwargs)
 
-    for layer in engine.assembler.model.model.layers:
-        layer.register_forward_pre_hook(slow)
+    monkeypatch.setattr(BufferedLayer, "update", slow)
     grace_s = 2.0
     app = create_app(engine, model_name=MODEL, shutdown_grace_s=grace_s)
     sock = socket.socket()

@@ -16,10 +16,11 @@ rotary module, SiLU-gated MLP), as one flat loop over the layers, with:
   whatever the row count (in bfloat16 the bits of ``F.linear`` too; in float32 other bits);
 - other devices keep ``F.linear`` per projection, as the modules do.
 
-It runs only the split-invariant forwards (the assembler checks :meth:`LeanForward.build`),
-so the load-time probe covers it: the probe compares split forwards through this path, and
-the namespace names it (:data:`KERNEL_TAG`), so stored KV is never mixed between it and the
-modules' path.
+It runs the split-invariant forwards (prefill, decode and verification alike), so the
+load-time probe covers it: the probe compares split forwards through this path, and the
+namespace names it (:data:`KERNEL_TAG`), so stored KV is never mixed between it and the
+modules' path. Models it does not take (:meth:`LeanForward.supports` says why) run the
+modules.
 
 Layouts: hidden states ``[1, rows, hidden]``; queries ``[1, heads, rows, head_dim]``; keys
 and values ``[1, kv_heads, rows, head_dim]`` into the cache.

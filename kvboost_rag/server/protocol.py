@@ -275,6 +275,11 @@ def usage(result: GenerationResult) -> dict[str, Any]:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        # speculative decoding's drafts, in the fields OpenAI gives predicted tokens
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": u.accepted_tokens,
+            "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens,
+        },
     }
 
 

@@ -26,7 +26,14 @@ USER = [{"role": "user", "content": "Hi"}]
 
 
 def result(text: str = "Hello there") -> GenerationResult:
-    usage = Usage(prompt_tokens=10, completion_tokens=2, cached_tokens=8, cached_tokens_by_tier={"memory": 8})
+    usage = Usage(
+        prompt_tokens=10,
+        completion_tokens=2,
+        cached_tokens=8,
+        cached_tokens_by_tier={"memory": 8},
+        drafted_tokens=5,
+        accepted_tokens=3,
+    )
     return GenerationResult(text, [1, 2], "length", usage, Timings(ttft_s=0.01, total_s=0.02, prefill_s=0.01))
 
 
@@ -89,6 +96,10 @@ def test_chat_sends_one_request_to_the_engine(client, engine):
     assert body["system_fingerprint"] == "kv-0123456789abcdef"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello there"}
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 8}
+    assert body["usage"]["completion_tokens_details"] == {
+        "accepted_prediction_tokens": 3,
+        "rejected_prediction_tokens": 2,
+    }
     assert body["kvboost"]["cached_tokens_by_tier"] == {"memory": 8}
     assert engine.submitted == [Request(USER, max_new_tokens=32, temperature=0.0, stop=".")]
 
