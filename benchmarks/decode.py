@@ -17,7 +17,8 @@ Decode ms/token is (end - first token) / (new tokens - 1); end to end is TTFT + 
 The floor is the weight-read floor of DESIGN.md: bytes of weights one step reads (the LM head
 counted once when tied to the embeddings; an untied input embedding is not read whole)
 divided by the read bandwidth of a one-row product over an 8192x8192 weight of the model's
-dtype (``F.linear``), measured in the same run; the bandwidth of the same product with a
+dtype (``F.linear``), measured again beside each prompt's methods (the bandwidth this machine
+gives drifts with the process's memory footprint); the bandwidth of the same product with a
 oneDNN-packed weight (what the engine runs) is recorded beside it.
 
     python benchmarks/decode.py                     # 3 prompts per workload and length
@@ -239,7 +240,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     methods["llama_cpp"] = lambda i=ids, p=peer: llama_cpp(p, i, args.new_tokens, eos)
                 order = list(methods)
                 order = order[k % len(order) :] + order[: k % len(order)]
-                row: dict[str, Any] = {"prompt_tokens": len(ids)}
+                # the floor measured again beside each prompt's methods: the same memory state and noise
+                row: dict[str, Any] = {"prompt_tokens": len(ids), "floor": weight_read_floor(model)}
                 for name in order:
                     row[name] = methods[name]()
                 rows.append(row)
@@ -249,15 +251,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     + " ms/token",
                     flush=True,
                 )
-            cells.append(summarize(workload, length, rows, floor))
+            cells.append(summarize(workload, length, rows))
     for engine in engines.values():
         engine.close()
     return {"floor": floor, "cells": cells, "dtype": str(dtype).removeprefix("torch.")}
 
 
-def summarize(
-    workload: str, length: int, rows: list[dict[str, Any]], floor: dict[str, float]
-) -> dict[str, Any]:
+def summarize(workload: str, length: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     present = [m for m in METHODS if m in rows[0]]
     cell: dict[str, Any] = {
         "workload": workload,
@@ -266,8 +266,9 @@ def summarize(
         "decode_ms": {m: summary([r[m]["decode_ms"] for r in rows]) for m in present},
         "ttft_s": {m: summary([r[m]["ttft_s"] for r in rows]) for m in present},
         "end_to_end_s": {m: summary([r[m]["total_s"] for r in rows]) for m in present},
+        "floor_ms": summary([r["floor"]["ms_per_token"] for r in rows]),
         "floor_ratio": {
-            m: summary([r[m]["decode_ms"] / floor["ms_per_token"] for r in rows]) for m in present
+            m: summary([r[m]["decode_ms"] / r["floor"]["ms_per_token"] for r in rows]) for m in present
         },
         # tokens/s ratios per prompt (the same machine noise), then their median
         "speedup_over_hf_generate": {

@@ -226,7 +226,8 @@ def decode_section(data: dict) -> list[str]:
     cells = data["cells"]
     methods = [m for m in DECODE_METHODS if m in cells[0]["decode_ms"]]
     lines = [
-        f"Weight-read floor: {floor['weight_bytes'] / 1e6:.0f} MB a step at "
+        f"Weight-read floor at the start of the run (re-measured beside each prompt for the ratios): "
+        f"{floor['weight_bytes'] / 1e6:.0f} MB a step at "
         f"{floor['read_bytes_per_s'] / 1e9:.1f} GB/s = {floor['ms_per_token']:.1f} ms/token (a oneDNN-packed "
         f"product reads at {floor['packed_read_bytes_per_s'] / 1e9:.1f} GB/s: "
         f"{floor['packed_ms_per_token']:.1f} ms). {data['settings']['new_tokens']} new tokens per request, "

@@ -5,8 +5,9 @@ does, padded to ``ROW_MULTIPLE`` rows, so a generated token's KV and logits are 
 prefill of the same tokens gives (DESIGN.md contract 2). Two things follow:
 
 - the reply's KV is stored as it is, with no second pass (see ``Generation``);
-- the pad rows can carry drafted tokens (:mod:`~kvboost_rag.drafting`) at no extra cost: row j
-  of a verification gives the logits a step ending at draft j would give, bitwise. The request
+- the pad rows can carry drafted tokens (:mod:`~kvboost_rag.drafting`) for the price of their
+  attention (the matrix products run the pad rows anyway): row j of a verification gives the
+  logits a step ending at draft j would give, bitwise. The request
   chooses each next token from those logits exactly as it would without speculation (greedy, or
   one seeded draw per position, in order), and a draft is used only while it equals the chosen
   token, so speculation never changes the output; it only saves forwards.
