@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from blend_quality import make_questions  # noqa: E402
-from chat_replay import conversations  # noqa: E402
+from chat_replay import sharegpt_records  # noqa: E402
 from common import (  # noqa: E402
     RESULTS_DIR,
     essay_text,
@@ -88,18 +88,35 @@ def rag_prompts(tok: Any, tokens: int, n: int) -> list[list[dict[str, str]]]:
 
 
 def chat_prompts(tok: Any, tokens: int, n: int) -> list[list[dict[str, str]]]:
+    """ShareGPT conversations (mostly ASCII, alternating turns) up to a user turn, 70-100 % of
+    ``tokens`` long; the message that reaches ``tokens`` is cut there (long ones are pasted
+    documents and code, as chats over a long paste have them)."""
     out = []
-    for conversation in conversations(tok, 4 * n, turns=8, max_message_tokens=max(256, tokens // 6)):
+    for record in sharegpt_records():
+        turns = record.get("conversations", [])
+        if not turns or any(t.get("from") != ("human" if k % 2 == 0 else "gpt") for k, t in enumerate(turns)):
+            continue
+        if any(
+            not t["value"].strip() or sum(c.isascii() for c in t["value"]) < 0.95 * len(t["value"])
+            for t in turns
+        ):
+            continue
         messages = [{"role": "system", "content": SYSTEM}]
-        for i in range(0, len(conversation), 2):
-            messages.append(conversation[i])
-            if prompt_tokens(tok, messages) >= tokens:
+        for k, turn in enumerate(turns):
+            role = "user" if k % 2 == 0 else "assistant"
+            ids = tok.encode(turn["value"], add_special_tokens=False)
+            room = tokens - prompt_tokens(tok, [*messages, {"role": role, "content": ""}])
+            if room <= 0:
                 break
-            messages.append(conversation[i + 1])
-        if messages[-1]["role"] == "user" and prompt_tokens(tok, messages) >= 0.8 * tokens:
+            messages = [*messages, {"role": role, "content": tok.decode(ids[:room])}]
+            if len(ids) > room:  # the last message is cut to fit
+                break
+        while len(messages) > 1 and messages[-1]["role"] != "user":
+            messages.pop()
+        if len(messages) > 1 and prompt_tokens(tok, messages) >= 0.7 * tokens:
             out.append(messages)
-        if len(out) == n:
-            return out
+            if len(out) == n:
+                return out
     raise SystemExit(f"only {len(out)} ShareGPT conversations reach {tokens} tokens")
 
 

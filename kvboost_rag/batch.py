@@ -79,7 +79,7 @@ class RowOutput:
     error: Exception | None = None
     """What ended the row, when ``finish_reason`` is ``error``."""
     speculation: SpeculationStats | None = None
-    """Drafts of a row that decoded alone (None: it decoded in a batch)."""
+    """Drafts of a row that decoded alone for a while (None: it decoded in a batch only)."""
     exact_cache: Cache | None = None
     """The row's cache when its KV has a prefill's bits (a row that decoded alone with the
     split-invariant forward): ``cache_ids`` are its tokens."""
@@ -96,6 +96,8 @@ class _Running:
     first_logits: torch.Tensor
     emitted: int = 0
     first_token_at: float = 0.0
+    speculation: SpeculationStats | None = None
+    """Its drafts while it decoded alone (the adopted row)."""
 
 
 class RunningBatch:
@@ -157,14 +159,6 @@ class RunningBatch:
         for layer in buffered_layers(cache):
             layer.stop = None  # the row's cancellation ends the row, not a batch forward
         first = prefix.logits
-        self._running = [
-            _Running(
-                row,
-                TextStream(self._tokenizer, row.request.stop_strings),
-                row.request.generator(device),
-                first,
-            )
-        ]
         self._cache, self.shared_tokens = cache, 0
         self._stepper = DecodeStepper(
             self._assembler,
@@ -173,6 +167,15 @@ class RunningBatch:
             end=len(row.token_ids) + row.max_new_tokens,
             max_draft_tokens=self._max_draft_tokens,
         )
+        self._running = [
+            _Running(
+                row,
+                TextStream(self._tokenizer, row.request.stop_strings),
+                row.request.generator(device),
+                first,
+                speculation=self._stepper.stats,
+            )
+        ]
         self._valid = torch.ones(1, len(row.token_ids), dtype=torch.bool, device=device)
         self._next_position = torch.tensor([len(row.token_ids)], device=device)
         self._logits = first.unsqueeze(0)
@@ -331,9 +334,9 @@ class RunningBatch:
     def _leave(self, run: _Running, reason: str, error: Exception | None = None) -> None:
         stream, stepper = run.stream, self._stepper
         out = RowOutput(stream.text, list(stream.ids), reason, run.first_logits, run.first_token_at, error)
+        out.speculation = run.speculation
         if stepper is not None:  # the lone row: its cache goes with its output
             stepper.settle()
-            out.speculation = stepper.stats
             if stepper.exact:
                 fed = stepper.position - len(run.row.token_ids)
                 out.exact_cache, out.cache_ids = self._cache, [*run.row.token_ids, *stream.ids[:fed]]

@@ -23,6 +23,9 @@ OTHER = Segment("Rotary embeddings turn positions into angles; blend mode rotate
 QUESTIONS = ["Why?", "What does it store for each token?", "Name one", "Is it exact, and how would we know?"]
 
 
+JOIN_AT_STEP = 5
+
+
 def prompt(i: int, system: Segment = SHARED) -> list[Segment]:
     return [system, Segment(QUESTIONS[i % len(QUESTIONS)])]
 
@@ -231,3 +234,28 @@ def test_a_batch_fills_up_to_max_batch_size_and_the_rest_waits(admissions, at_st
 
     assert admissions == [2, 1, 1]  # one free row: the first arrival joins, the second when it leaves
     assert [r.token_ids for r in results] == [lone(r) for r in longs + arrivals]
+
+
+def test_a_lone_row_with_drafts_in_flight_joins_a_batch_and_keeps_its_tokens(monkeypatch, at_step):
+    """The lone row drafts ahead; when others join, its unconfirmed drafts leave its cache first."""
+    in_flight: list[int] = []
+    real_end_lone = RunningBatch._end_lone
+
+    def end_lone(self: RunningBatch) -> None:
+        if self._stepper is not None:
+            in_flight.append(len(self._stepper._pending))
+        real_end_lone(self)
+
+    monkeypatch.setattr(RunningBatch, "_end_lone", end_lone)
+    engine = make_engine(batch_window_ms=0)
+    quoting = Request([Segment("The quick brown fox jumps over the lazy dog. " * 6)], max_new_tokens=24)
+    joiner = Request(prompt(1), max_new_tokens=6)
+    joined: list[Future] = []
+    at_step(JOIN_AT_STEP, lambda: joined.append(engine.submit(joiner)))
+    result = engine.submit(quoting).result(timeout=120)
+    joined_result = joined[0].result(timeout=120)
+    engine.close()
+    assert in_flight and in_flight[0] > 0  # drafts were waiting for their check when the joiner came
+    assert result.usage.accepted_tokens > 0
+    assert result.token_ids == lone(quoting)
+    assert joined_result.token_ids == lone(joiner)
