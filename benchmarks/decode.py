@@ -320,9 +320,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
         high = [c["decode_ms"][method]["max"] - m for m, c in zip(medians, cells, strict=True)]
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(cells))]
         ax.bar(xs, medians, width, yerr=[low, high], capsize=2, label=method)
-    ax.axhline(
-        data["floor"]["ms_per_token"], color="black", linestyle="--", linewidth=1, label="weight-read floor"
-    )
+    for i, c in enumerate(cells):  # the floor measured beside that cell's prompts
+        ax.hlines(c["floor_ms"]["median"], i - 0.45, i + 0.45, colors="black", linestyles="--", linewidth=1)
+    ax.plot([], [], color="black", linestyle="--", linewidth=1, label="weight-read floor")
     ax.set_xticks(range(len(cells)), [f"{c['workload']}\n{c['context_tokens']} tokens" for c in cells])
     ax.set_ylabel("decode ms / token (median, min-max)")
     ax.set_title(f"One stream, {data['settings']['new_tokens']} new tokens, {data['settings']['dtype']}")
