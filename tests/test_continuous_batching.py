@@ -23,7 +23,7 @@ OTHER = Segment("Rotary embeddings turn positions into angles; blend mode rotate
 QUESTIONS = ["Why?", "What does it store for each token?", "Name one", "Is it exact, and how would we know?"]
 
 
-JOIN_AT_STEP = 5
+JOIN_AT_STEP = 9  # the tiny model's reply cycles by then: drafts are confirmed, and some wait for their check
 
 
 def prompt(i: int, system: Segment = SHARED) -> list[Segment]:
