@@ -570,9 +570,12 @@ def block() -> list[str]:
     }
     suite = json.loads((BENCH / "suite.json").read_text()) if (BENCH / "suite.json").exists() else None
     m = (suite or next(iter(results.values())))["machine"]
-    dtype = results["ttft"]["rows"][0]["dtype"] if "ttft" in results else "auto"
+    same_machine = "ttft" in results and _cpu(results["ttft"]["machine"]) == _cpu(m)
+    dtype = results["ttft"]["rows"][0]["dtype"] if same_machine else "auto"
     if dtype == "float32" and not native_bfloat16(m):
         dtype += ' (the engine\'s `dtype="auto"` here: this CPU has no native bfloat16)'
+    if dtype == "auto":
+        dtype = 'the engine\'s `dtype="auto"` (bfloat16 where the CPU has it natively, else float32)'
     lines = [
         START,
         f"Measured on {m['cpu_count']} CPU cores "

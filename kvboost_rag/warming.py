@@ -137,9 +137,12 @@ def store_reply_from_cache(
         if not core.store.contains(chunk.key):
             filler.put(i, core.assembler.extract(cache, chunk.start, chunk.end), None)
     reply_end = max(
-        end
-        for segment, (_, end) in zip(canonical.segments, canonical.segment_spans, strict=True)
-        if segment.kind == "message"
+        (
+            end
+            for segment, (_, end) in zip(canonical.segments, canonical.segment_spans, strict=True)
+            if segment.kind == "message"
+        ),
+        default=len(ids),
     )
     return common >= reply_end
 
