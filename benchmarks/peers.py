@@ -110,11 +110,22 @@ class LlamaCppPeer:
             llama_cpp.LlamaDiskCache(cache_dir=cache_dir, capacity_bytes=64 << 30) if cache_dir else None
         )
 
-    def ttft(self, ids: list[int], *, keep_context: bool = False, use_disk: bool = False) -> float:
+    def ttft(
+        self,
+        ids: list[int],
+        *,
+        keep_context: bool = False,
+        keep_tokens: int | None = None,
+        use_disk: bool = False,
+    ) -> float:
         """Seconds to the first token. ``keep_context`` reuses the prefix still in the context
-        (llama.cpp's in-memory reuse); ``use_disk`` loads the longest stored prefix from the disk cache."""
+        (llama.cpp's in-memory reuse), only its first ``keep_tokens`` when given (the rest is then
+        evaluated, as over a context that holds only those); ``use_disk`` loads the longest stored
+        prefix from the disk cache."""
         if not keep_context:
             self.llm.reset()
+        elif keep_tokens is not None:  # the context's prefix match stops there
+            self.llm.n_tokens = min(self.llm.n_tokens, keep_tokens)
         self.llm.set_cache(self.disk_cache if use_disk else None)
         t0 = time.perf_counter()
         stream = self.llm.create_completion(ids, max_tokens=1, temperature=0.0, stream=True)

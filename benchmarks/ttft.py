@@ -62,7 +62,7 @@ def bench_dtype(
         doc = text_of_tokens(tok, text, n - 16, offset_tokens=n)  # a different passage per length
         keys = ["plain_prefill", "cold", "warm_memory", "warm_disk", "full_hit", "hf_prefix_reuse", "lay"]
         if use_llama:
-            keys += ["llama_cpp_cold", "llama_cpp_memory", "llama_cpp_disk"]
+            keys += ["llama_cpp_cold", "llama_cpp_memory", "llama_cpp_same_new", "llama_cpp_disk"]
         times: dict[str, list[float]] = {k: [] for k in keys}
         prompt_tokens = None
         with tempfile.TemporaryDirectory() as store_dir, tempfile.TemporaryDirectory() as llama_dir:
@@ -120,6 +120,10 @@ def bench_dtype(
                 if llama is not None:
                     times["llama_cpp_cold"].append(llama.ttft(ids))
                     times["llama_cpp_memory"].append(llama.ttft(ids_of(warm_prompt), keep_context=True))
+                    # the document kept, the question evaluated: the same new tokens as kvboost warm
+                    times["llama_cpp_same_new"].append(
+                        llama.ttft(ids_of(warm_prompt), keep_context=True, keep_tokens=len(doc_ids))
+                    )
                     times["llama_cpp_disk"].append(llama.ttft(ids_of(warm_prompt), use_disk=True))
             reuse = engine.stats()["reuse"]
             engine.close()
@@ -149,6 +153,7 @@ def bench_dtype(
         if use_llama:
             pairs |= {
                 "llama_cpp_memory_over_warm": ("llama_cpp_memory", "warm_memory"),
+                "llama_cpp_same_new_over_warm": ("llama_cpp_same_new", "warm_memory"),
                 "llama_cpp_disk_over_warm_disk": ("llama_cpp_disk", "warm_disk"),
                 "llama_cpp_cold_over_cold": ("llama_cpp_cold", "cold"),
             }
