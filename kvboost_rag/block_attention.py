@@ -12,22 +12,23 @@ other rows share the call. Two facts measured on CPU (``../shared/probes``):
   block changes the reduction, whole blocks (extra keys masked) do not.
 
 So the keys are cut into fixed blocks of :data:`KEY_BLOCK` from position 0. A
-query at position p in key block b = p // KEY_BLOCK attends to two parts, each
-computed the same way for every query of that block:
+query at position p in key block b = p // KEY_BLOCK attends, in one flash call,
+to the keys of the blocks up to its own, ``0 .. (b + 1) * KEY_BLOCK``, with keys
+after p (and the slots past the cache's end) masked: the same keys, the same
+blocks and the same mask row for every query of block b, whatever call it is in.
+(One call with a mask over all those keys costs less than the past blocks and
+the own block as two calls whose softmaxes are merged: SmolLM2, a decode step
+at 1K tokens, 30.7 against 33.5 ms; a 4K prefill reads the larger mask, ~3 %
+slower.)
 
-- the *past*: the b whole blocks before its own, unmasked (one flash call);
-- its *own block*: the 512 keys of block b, masked causally (keys after p, and
-  the slots past the cache's end, get -inf).
-
-The two partial softmaxes are merged with their log-sum-exp weights, which is
-exact and elementwise. The query heads of each KV group are folded into the row
-axis, so grouped-query models read their keys in place, and the folded rows of a
-block are padded to a multiple of :data:`ROW_MULTIPLE` (the flash kernel, like
-the matrix products, gives a row the same bits in any call of such a size). The
-filler rows that the assembler adds for its matrix products (``count - real`` in
-:func:`queries_at`) are not attended at all: attention costs about its folded
-rows (SmolLM2, 3,584 keys: 9 rows 0.42 ms a call, 24 rows 0.77 ms), so a
-one-token step attends 8 folded rows, not the 24 of 8 padded rows x 3 heads.
+The query heads of each KV group are folded into the row axis, so grouped-query
+models read their keys in place, and the folded rows of a block are padded to a
+multiple of :data:`ROW_MULTIPLE` (the flash kernel, like the matrix products,
+gives a row the same bits in any call of such a size). The filler rows that the
+assembler adds for its matrix products (``count - real`` in :func:`queries_at`)
+are not attended at all: attention costs about its folded rows (SmolLM2, 3,584
+keys: 9 rows 0.42 ms a call, 24 rows 0.77 ms), so a one-token step attends 8
+folded rows, not the 24 of 8 padded rows x 3 heads.
 
 Whether the platform really behaves so is checked at load by
 :mod:`kvboost_rag.invariance`; where it does not, the engine uses the canonical
@@ -49,11 +50,12 @@ from .chunk_attention import (
     attention_function,
     for_others,
     mask_for_others,
-    merge_partial_softmax,
     thread_value,
 )
 
 ATTENTION_NAME = "kvboost_block_sdpa"
+ARITHMETIC_TAG = "span1"
+"""Names this attention's arithmetic in the store namespace; bump it whenever that changes."""
 KEY_BLOCK = 512
 """Keys per block of the CPU flash kernel (its ``kvSplitSize``)."""
 ROW_MULTIPLE = 8
@@ -81,14 +83,14 @@ def available(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class _QueryBlock:
-    """Query rows ``lo:hi`` of a call, all in key block ``block``, with its own-block mask."""
+    """Query rows ``lo:hi`` of a call, all in key block ``block``, with their mask."""
 
     lo: int
     hi: int
     block: int
     mask: torch.Tensor
-    """Additive ``[1, 1, folded rows, KEY_BLOCK]``: 0 where the query may attend, -inf elsewhere; the
-    ``groups * (hi - lo)`` folded rows padded to a multiple of ``ROW_MULTIPLE``."""
+    """Additive ``[1, 1, folded rows, (block + 1) * KEY_BLOCK]``: 0 where the query may attend, -inf
+    elsewhere; the ``groups * (hi - lo)`` folded rows padded to a multiple of ``ROW_MULTIPLE``."""
 
 
 _state = threading.local()
@@ -114,14 +116,14 @@ def queries_at(
     blocks = []
     lo = 0
     wanted = count if real is None else real
-    keys = torch.arange(KEY_BLOCK, device=device)
     while lo < wanted:
         block = (start + lo) // KEY_BLOCK
         hi = min(wanted, (block + 1) * KEY_BLOCK - start)
-        positions = torch.arange(start + lo, start + hi, device=device) - block * KEY_BLOCK  # [n]
-        mask = torch.zeros(hi - lo, KEY_BLOCK, dtype=dtype, device=device)
+        keys = torch.arange((block + 1) * KEY_BLOCK, device=device)  # the past blocks and its own
+        positions = torch.arange(start + lo, start + hi, device=device)  # [n]
+        mask = torch.zeros(hi - lo, len(keys), dtype=dtype, device=device)
         mask.masked_fill_(keys[None, :] > positions[:, None], float("-inf"))
-        folded = mask.repeat(groups, 1)  # [groups * n, KEY_BLOCK]: each KV group's query heads as rows
+        folded = mask.repeat(groups, 1)  # [groups * n, keys]: each KV group's query heads as rows
         padded = F.pad(
             folded, (0, 0, 0, round_up(len(folded), ROW_MULTIPLE) - len(folded))
         )  # pad rows see all
@@ -160,20 +162,20 @@ def block_causal_attention(call: AttentionCall) -> tuple[torch.Tensor, None]:
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     out = query.new_empty(batch, q_len, heads, value.shape[-1])
-    out[:, blocks[-1].hi if blocks else 0 :] = 0  # filler rows, not attended
+    wanted = blocks[-1].hi if blocks else 0
+    if wanted < q_len:
+        out[:, wanted:] = 0  # filler rows, not attended
     for qb in blocks:
-        rows = groups * (qb.hi - qb.lo)
+        n = qb.hi - qb.lo
+        rows = groups * n
         folded = query[:, :, qb.lo : qb.hi].reshape(batch, kv_heads, rows, dim)  # heads of a KV group as rows
         if qb.mask.shape[2] != rows:
             folded = F.pad(folded, (0, 0, 0, qb.mask.shape[2] - rows))
-        own = qb.block * KEY_BLOCK
-        own_k, own_v = key[:, :, own : own + KEY_BLOCK], value[:, :, own : own + KEY_BLOCK]
-        o, lse = _flash_cpu(folded, own_k, own_v, attn_mask=qb.mask, scale=scaling)
-        if qb.block:
-            o_past, lse_past = _flash_cpu(folded, key[:, :, :own], value[:, :, :own], scale=scaling)
-            o = merge_partial_softmax(o_past, lse_past, o, lse).to(query.dtype)
-        o = o[:, :, :rows].reshape(batch, heads, qb.hi - qb.lo, -1)  # [B, H, n, D]
-        out[:, qb.lo : qb.hi] = o.transpose(1, 2)
+        end = (qb.block + 1) * KEY_BLOCK
+        o, _ = _flash_cpu(folded, key[:, :, :end], value[:, :, :end], attn_mask=qb.mask, scale=scaling)
+        # [B, KV, groups * n, D] -> [B, n, KV, groups, D] = [B, n, H, D], in one copy
+        unfolded = o[:, :, :rows].unflatten(2, (groups, n)).permute(0, 3, 1, 2, 4)
+        out[:, qb.lo : qb.hi].view(batch, n, kv_heads, groups, -1).copy_(unfolded)
     return out, None
 
 

@@ -1,10 +1,11 @@
 """Background work beside the requests: it keeps off the cores while a CPU prefill runs, and it is
 finished when the interpreter exits.
 
-A bottom-layer module (it imports nothing from the package): the runner marks its prefills with
-:func:`prefill_in_progress`, and background writers (:mod:`kvboost_rag.store.writer`) call
-:func:`wait_until_idle` before each write. Both those writers and the engine's follow-up jobs
-register with :func:`close_at_exit`.
+A bottom-layer module (of the package it imports only :mod:`kvboost_rag.openmp`): the runner
+marks its prefills with :func:`prefill_in_progress`, and background writers
+(:mod:`kvboost_rag.store.writer`) call :func:`wait_until_idle` before each write. Both those
+writers and the engine's follow-up jobs register with :func:`close_at_exit`; their threads give
+their OpenMP workers back whenever their queue runs dry (:func:`run_queue`).
 
 On a CPU the background work shares the cores with the model: encoding and writing a chunk while
 a prefill runs stalls the prefill's worker threads (measured: the cold path at 2-4K tokens went
@@ -27,6 +28,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal, Protocol, TypeVar
+
+from .openmp import release_pool
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +73,8 @@ def run_queue(items: queue.Queue[T | None], handle: Callable[[T], object], what:
     (background work must not take the thread, or a request, down).
     """
     while True:
+        if items.empty():  # idle until the next item: its OpenMP workers would slow the threads that compute
+            release_pool()
         item = items.get()
         try:
             if item is None:

@@ -34,7 +34,7 @@ from .models import kvboost_home
 
 logger = logging.getLogger(__name__)
 
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 """Bumped whenever the probe or the invariant forward changes, so remembered answers are redone."""
 
 PROBE_TOKENS = KEY_BLOCK + 45

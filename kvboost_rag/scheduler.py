@@ -25,6 +25,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from .openmp import release_pool
+
 R = TypeVar("R")
 T = TypeVar("T")
 
@@ -115,6 +117,7 @@ class Scheduler(Generic[R]):
 
     def submit(self, request: R, on_delta: Callable[[str], None] | None = None) -> BatchFuture:
         pending = Pending(request, time.perf_counter(), on_delta=on_delta)
+        release_pool()  # the caller waits for the worker now: its OpenMP workers would slow the worker's
         with self._ready:
             if self._closed:
                 raise RuntimeError("the engine is closed; create a new one to generate")
@@ -153,7 +156,12 @@ class Scheduler(Generic[R]):
             return [self._queue.popleft() for _ in range(min(len(self._queue), self._max_batch_size))]
 
     def _serve(self) -> None:
-        while (batch := self._next_batch()) is not None:
+        while True:
+            if not self._queue:  # idle until the next request: others may compute meanwhile
+                release_pool()
+            batch = self._next_batch()
+            if batch is None:
+                return
             members = [p for p in batch if p.start()]
             if not members:
                 continue

@@ -84,7 +84,7 @@ class Assembler:
         if self.invariant:
             # every LM head product of these forwards runs a multiple of ROW_MULTIPLE rows (see forward)
             rows = block_attention.ROW_MULTIPLE
-            kernel = f"{self._block_attention}-rows{rows}-head{rows}"
+            kernel = f"{self._block_attention}-{block_attention.ARITHMETIC_TAG}-rows{rows}-head{rows}"
             return f"{kernel}-{KERNEL_TAG}" if self._lean_wanted else kernel
         return self._chunk_attention or str(getattr(self.model.config, "_attn_implementation", ""))
 

@@ -124,9 +124,9 @@ class _Layer:
     scaling: float
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
 
 
 class LeanForward:
@@ -207,7 +207,9 @@ class LeanForward:
         ``[len(keep), vocab]`` of the rows ``keep`` (None: skip the LM head)."""
         hidden = self._embed(ids)  # [1, rows, hidden]
         cos, sin = self._rotary(hidden, positions)  # [1, rows, head_dim]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        half = sin.shape[-1] // 2
+        # rotate_half(x) * sin == swap_halves(x) * sin with its first half negated (bit for bit)
+        cos, sin = cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
         rows = ids.shape[1]
         for layer, cache_layer in zip(self._layers, buffered_layers(cache), strict=True):
             residual = hidden
@@ -215,7 +217,7 @@ class LeanForward:
             qkv = layer.qkv.fused(layer.input_norm(hidden))  # [1, rows, (heads + 2 * kv_heads) * dim]
             # queries and keys rotated in one pass: [1, heads + kv_heads, rows, dim]
             qk = qkv[..., : (heads + kv_heads) * dim].view(1, rows, heads + kv_heads, dim).transpose(1, 2)
-            qk = (qk * cos) + (_rotate_half(qk) * sin)
+            qk = (qk * cos) + (_swap_halves(qk) * sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[..., (heads + kv_heads) * dim :].view(1, rows, kv_heads, dim).transpose(1, 2)
             keys, values = cache_layer.update(k, v)
