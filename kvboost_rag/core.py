@@ -19,6 +19,7 @@ from .config import EngineConfig
 from .errors import ContextWindowExceededError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
 from .keys import Chunk, make_namespace, plan_chunks, salted
+from .prefix_index import PrefixIndex
 from .registry import DocumentRegistry
 from .rope import RopeShifter
 from .runner import PrefillOutcome, prefill
@@ -41,6 +42,9 @@ class EngineCore:
     eos_ids: frozenset[int]
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held by a prefill (one at a time); decode steps lock in the assembler."""
+    prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
+    """The stored chunks this engine has seen, by parent key: prefills reuse a missing chunk's
+    leading tokens from them."""
     _shifter: RopeShifter | None = None
 
     @property
@@ -55,9 +59,14 @@ class EngineCore:
         return plan_chunks(canonical, self.chunk_size, salted(self.namespace, salt))
 
     def prefill(self, token_ids: Sequence[int], chunks: Sequence[Chunk], **kwargs: Any) -> PrefillOutcome:
-        """:func:`~kvboost_rag.runner.prefill` with the configured forward size."""
+        """:func:`~kvboost_rag.runner.prefill` with the configured forward size and the prefix index."""
         return prefill(
-            self.assembler, token_ids, chunks, step_tokens=self.config.max_forward_tokens, **kwargs
+            self.assembler,
+            token_ids,
+            chunks,
+            step_tokens=self.config.max_forward_tokens,
+            index=self.prefix_index,
+            **kwargs,
         )
 
     def check_window(self, prompt_tokens: int, new_tokens: int) -> None:

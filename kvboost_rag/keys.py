@@ -31,6 +31,8 @@ class Chunk(NamedTuple):
     end: int
     key: str
     """Prefix key (hex SHA-256)."""
+    parent: str = ""
+    """Prefix key of the chunk before (the salted namespace for a prompt's first chunk)."""
 
     @property
     def num_tokens(self) -> int:
@@ -104,11 +106,12 @@ def chunk_spans(prompt: CanonicalPrompt, chunk_size: int) -> list[tuple[int, int
 def plan_chunks(prompt: CanonicalPrompt, chunk_size: int, namespace: str) -> list[Chunk]:
     """Chunks of a prompt with their chained prefix keys."""
     ids = prompt.token_ids
-    digest = bytes.fromhex(namespace)
+    parent = namespace
     chunks = []
     for start, end in chunk_spans(prompt, chunk_size):
-        digest = hashlib.sha256(digest + _token_bytes(ids[start:end])).digest()
-        chunks.append(Chunk(start, end, digest.hex()))
+        key = hashlib.sha256(bytes.fromhex(parent) + _token_bytes(ids[start:end])).hexdigest()
+        chunks.append(Chunk(start, end, key, parent))
+        parent = key
     return chunks
 
 

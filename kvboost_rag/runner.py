@@ -26,6 +26,7 @@ from transformers.cache_utils import Cache
 from .assembler import Assembler
 from .busy import prefill_in_progress
 from .keys import Chunk
+from .prefix_index import PrefixIndex
 from .store.base import Hit, KVStore, StoredChunk
 
 ATTENTION_COST_SPAN = 2048
@@ -60,6 +61,9 @@ class CacheFiller:
     """Fills one cache along a prompt's chunks, counting what came from where.
 
     ``on_computed(first, last)`` is called after chunks ``first..last`` were computed and stored.
+    With an ``index`` (split-invariant mode), the first chunk that misses by key lays the leading
+    tokens it shares with a chunk stored after the same prefix (:mod:`.prefix_index`), and only
+    the rest is computed; every chunk stored or read is added to the index.
     """
 
     def __init__(
@@ -71,9 +75,11 @@ class CacheFiller:
         store: KVStore | None,
         step_tokens: int | None,
         on_computed: Callable[[int, int], None] | None = None,
+        index: PrefixIndex | None = None,
     ) -> None:
         self.assembler, self.token_ids, self.chunks, self.cache = assembler, token_ids, chunks, cache
         self.store, self.step_tokens, self.on_computed = store, step_tokens, on_computed
+        self.index = index if assembler.invariant else None
         self.cached: Counter[str] = Counter()
         """Tokens laid exactly from each tier."""
         self.recomputed = self.stored = 0
@@ -97,38 +103,75 @@ class CacheFiller:
         logits: torch.Tensor | None = None
         hits: list[Hit] = []  # stored chunks not laid yet
         missing: int | None = None  # first chunk of a run not computed yet
+        laid = 0  # leading tokens of chunk ``missing`` laid from a chunk that shares them
         stopped_at: int | None = None
         for i, chunk in enumerate(chunks):
             hit = store.get(chunk.key) if store is not None else None
+            if hit is not None:
+                self._learn(chunk, hit.chunk)
             final = i == last and need_logits
             if hit is not None and (not final or hit.chunk.last_logits is not None):
                 if missing is not None:
-                    self.compute(missing, i - 1, logits=False, store_logits=False)
+                    self.compute(missing, i - 1, logits=False, store_logits=False, laid=laid)
                     missing = None
                 hits.append(hit)
                 logits = hit.chunk.last_logits
                 continue
-            if hits:
+            if hit is not None and assembler.invariant and missing is None:
                 self.lay(hits)
                 hits = []
-            if hit is not None and assembler.invariant and missing is None:
                 logits = self.finish_stored(hit, store_last_logits)
                 continue
             if until is not None and until(i):
                 stopped_at, last, need_logits = i, i - 1, False
                 break
             if missing is None:
-                missing = i
-        if hits:
-            self.lay(hits)
+                missing, laid = i, self.lay_with_shared(hits, i, final)
+                hits = []
+        self.lay(hits)
         if missing is not None:
             logits = self.compute(
-                missing, last, logits=need_logits, store_logits=store_last_logits and need_logits
+                missing, last, logits=need_logits, store_logits=store_last_logits and need_logits, laid=laid
             )
         assert (
             logits is not None or not need_logits
         )  # chunks is never empty: the canonicalizer refuses empty prompts
         return logits, stopped_at
+
+    def lay_with_shared(self, hits: Sequence[Hit], i: int, final: bool) -> int:
+        """Lay ``hits``, then the leading tokens that chunk ``i`` (missing by key) shares with a chunk
+        stored after the same prefix; returns how many tokens of chunk ``i`` that laid. ``final``:
+        chunk ``i`` ends the prompt and its last token's logits are wanted (it is left to compute)."""
+        shared = self._shared_hit(i, final)
+        if shared is None:
+            self.lay(hits)
+            return 0
+        hit, tokens = shared
+        self.lay([*hits, hit], tokens)
+        return tokens
+
+    def _shared_hit(self, i: int, final: bool) -> tuple[Hit, int] | None:
+        if self.index is None or self.store is None:
+            return None
+        chunk = self.chunks[i]
+        wanted = self.token_ids[chunk.start : chunk.end]
+        found = self.index.longest_prefix(chunk.parent, wanted)
+        if found is None:
+            return None
+        key, shared = found
+        tokens = min(shared, chunk.num_tokens - 1) if final else shared
+        if tokens <= 0:
+            return None
+        hit = self.store.get(key)
+        stored_ids = hit.chunk.token_ids if hit is not None else None
+        if hit is None or stored_ids is None or tuple(stored_ids[:tokens]) != tuple(wanted[:tokens]):
+            self.index.discard(chunk.parent, key)  # evicted since (or rewritten): not to be trusted
+            return None
+        return hit, tokens
+
+    def _learn(self, chunk: Chunk, stored: StoredChunk) -> None:
+        if self.index is not None and stored.token_ids is not None:
+            self.index.add(chunk.parent, chunk.key, stored.token_ids)
 
     def finish_stored(self, hit: Hit, store_logits: bool) -> torch.Tensor:
         """Lay the prompt's stored last chunk, which kept no logits (it was stored as a prefix), and run
@@ -145,6 +188,8 @@ class CacheFiller:
 
     def lay(self, hits: Sequence[Hit], tokens: int | None = None) -> None:
         """Append stored chunks (of the last one only its first ``tokens`` when given)."""
+        if not hits:
+            return
         kvs = [h.chunk.kv for h in hits]
         if tokens is not None:
             kvs[-1] = kvs[-1][:, :, :, :tokens]
@@ -155,19 +200,24 @@ class CacheFiller:
             else:
                 self.cached[hit.tier] += kv.shape[3]
 
-    def compute(self, first: int, last: int, *, logits: bool, store_logits: bool) -> torch.Tensor | None:
-        """Run chunks ``first..last`` (inclusive) over the cache and store them; logits of the last token."""
+    def compute(
+        self, first: int, last: int, *, logits: bool, store_logits: bool, laid: int = 0
+    ) -> torch.Tensor | None:
+        """Run chunks ``first..last`` (inclusive) over the cache and store them; logits of the last token.
+        ``laid``: leading tokens of chunk ``first`` in the cache already (split-invariant mode)."""
         chunks = self.chunks[first : last + 1]
+        begin = chunks[0].start + laid
         if self.assembler.invariant:
-            spans = _steps(chunks[0].start, chunks[-1].end, self.step_tokens)
+            spans = _steps(begin, chunks[-1].end, self.step_tokens)
         else:  # the canonical schedule: one forward per chunk
+            assert not laid  # tokens are shared within a chunk only in split-invariant mode
             spans = [(c.start, c.end) for c in chunks]
         out = None
         for start, end in spans:
             out = self.assembler.forward(
                 self.cache, self.token_ids[start:end], start, logits=logits and end == chunks[-1].end
             )
-        self.recomputed += chunks[-1].end - chunks[0].start
+        self.recomputed += chunks[-1].end - begin
         if self.store is not None:
             for i in range(first, last + 1):
                 keep = out.clone() if store_logits and i == last and out is not None else None
@@ -188,6 +238,7 @@ class CacheFiller:
         )
         assert self.store is not None
         self.store.put(chunk.key, entry, cost=recompute_cost(chunk))
+        self._learn(chunk, entry)
         self.stored += chunk.num_tokens
 
 
@@ -209,6 +260,7 @@ def prefill(
     need_logits: bool = True,
     step_tokens: int | None = None,
     stop: threading.Event | None = None,
+    index: PrefixIndex | None = None,
 ) -> PrefillOutcome:
     """Fill a cache with ``token_ids`` along ``chunks``, reading what ``store`` holds and storing the rest.
 
@@ -216,9 +268,11 @@ def prefill(
     stored last chunk is used even when it kept no logits. ``step_tokens`` caps the tokens
     of one forward in split-invariant mode (memory), at no cost to exactness. Once ``stop``
     is set, the prefill raises ``CancelledError`` at its next layer; what it stored stays valid.
+    With an ``index``, a chunk that misses by key reuses the tokens it shares with a stored one
+    (see :class:`CacheFiller`).
     """
     cache = assembler.new_cache(capacity, reusable=reusable, stop=stop)
-    filler = CacheFiller(assembler, token_ids, chunks, cache, store, step_tokens)
+    filler = CacheFiller(assembler, token_ids, chunks, cache, store, step_tokens, index=index)
     with holding_writes(assembler):
         logits, _ = filler.fill(need_logits=need_logits, store_last_logits=store_last_logits)
     return PrefillOutcome(cache, logits, filler.cached, filler.recomputed, filler.stored, filler.approx)

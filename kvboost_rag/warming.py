@@ -130,7 +130,7 @@ def store_reply_from_cache(
     differ = (i for i, (mine, held) in enumerate(zip(ids, cache_ids, strict=False)) if mine != held)
     common = next(differ, min(len(ids), len(cache_ids)))  # leading tokens the cache holds
     chunks = core.chunks(canonical, salt)
-    filler = CacheFiller(core.assembler, ids, chunks, cache, core.store, None)
+    filler = CacheFiller(core.assembler, ids, chunks, cache, core.store, None, index=core.prefix_index)
     for i, chunk in enumerate(chunks):
         if chunk.end > common:
             break
