@@ -1,8 +1,11 @@
 """TTFT vs prompt length on SmolLM2, kvboost-rag next to what a user would run instead.
 
 A document of N tokens and a question; per repetition, back to back on the same tokens:
-- kvboost cold (empty store, writes included), warm from memory, warm from disk (memory
-  tier emptied: the document is read from the disk tier), full hit (the same prompt again);
+- kvboost cold (empty store, writes included); warm from memory (the document stored, a new
+  ~20-token question computed); extended (the stored prompt with a few words added to its
+  question: the tokens it shares with the stored question are reused, the few new ones
+  computed); full hit (the extended prompt again); warm from disk (memory tier emptied: the
+  document is read from the disk tier, another new question computed);
 - plain HF prefill, and transformers' prompt reuse (a prefilled DynamicCache copied per request);
 - llama.cpp on the Q4_1 GGUF of the same model (when llama-cpp-python is installed): cold,
   warm from its context (in-memory prefix reuse), warm from its ``LlamaDiskCache``.
@@ -40,6 +43,11 @@ from kvboost_rag import EngineConfig, KVBoostEngine, Segment  # noqa: E402
 from kvboost_rag.models import load_model  # noqa: E402
 
 
+def question(rep: int, k: int) -> str:
+    """The ``k``-th question of repetition ``rep`` (marked with it, so no repetition reuses another's)."""
+    return QUESTIONS[(rep + k) % len(QUESTIONS)] + f" ({rep})"
+
+
 def lay_seconds(engine: KVBoostEngine, prompt: list[Segment]) -> float:
     """Seconds to lay ``prompt``'s stored chunks into a fresh cache (what a warm request reads)."""
     core = engine.core
@@ -60,7 +68,16 @@ def bench_dtype(
     rows = []
     for n in lengths:
         doc = text_of_tokens(tok, text, n - 16, offset_tokens=n)  # a different passage per length
-        keys = ["plain_prefill", "cold", "warm_memory", "warm_disk", "full_hit", "hf_prefix_reuse", "lay"]
+        keys = [
+            "plain_prefill",
+            "cold",
+            "warm_memory",
+            "warm_extend",
+            "warm_disk",
+            "full_hit",
+            "hf_prefix_reuse",
+            "lay",
+        ]
         if use_llama:
             keys += ["llama_cpp_cold", "llama_cpp_memory", "llama_cpp_same_new", "llama_cpp_disk"]
         times: dict[str, list[float]] = {k: [] for k in keys}
@@ -86,7 +103,7 @@ def bench_dtype(
                 llama.store(ids_of(first))  # what an earlier request leaves in its disk cache
                 llama_bytes_per_token = llama.disk_bytes() / (len(ids_of(first)) + 1)
             for r in range(reps):
-                q = QUESTIONS[(r + 1) % len(QUESTIONS)] + f" ({r})"
+                q = question(r, 1)
                 prompt = [Segment(doc, "document"), Segment(q)]
                 ids = ids_of(prompt)
                 times["plain_prefill"].append(timed(plain_prefill, model, ids))
@@ -96,17 +113,24 @@ def bench_dtype(
                 times["cold"].append(cold.timings.ttft_s)
                 prompt_tokens = cold.usage.prompt_tokens
                 engine.store.flush()
-                warm_prompt = [Segment(doc, "document"), Segment(q + " Again.")]
+                # a new question over the stored document: its ~20 tokens computed
+                warm_prompt = [Segment(doc, "document"), Segment(question(r, 2))]
                 warm = engine.generate(warm_prompt, max_new_tokens=1)
                 assert warm.usage.cached_tokens_by_tier.get("memory", 0) > 0, warm.usage
                 times["warm_memory"].append(warm.timings.ttft_s)
                 times["lay"].append(lay_seconds(engine, warm_prompt))
-                full = engine.generate(warm_prompt, max_new_tokens=1)
+                # the stored prompt with words added: only the tokens after the shared ones computed
+                extend_prompt = [Segment(doc, "document"), Segment(q + " Again.")]
+                extended = engine.generate(extend_prompt, max_new_tokens=1)
+                assert extended.usage.recomputed_tokens < 8, extended.usage
+                times["warm_extend"].append(extended.timings.ttft_s)
+                full = engine.generate(extend_prompt, max_new_tokens=1)
                 assert full.usage.cached_tokens == full.usage.prompt_tokens
                 times["full_hit"].append(full.timings.ttft_s)
                 memory.clear()
-                from_disk = engine.generate(
-                    [Segment(doc, "document"), Segment(q + " Once more.")], max_new_tokens=1
+                from_disk = engine.generate(  # another new question: the document read from the disk tier
+                    [Segment(doc, "document"), Segment(question(r, 3))],
+                    max_new_tokens=1,
                 )
                 assert from_disk.usage.cached_tokens_by_tier.get("disk", 0) > 0, from_disk.usage
                 times["warm_disk"].append(from_disk.timings.ttft_s)
@@ -119,8 +143,9 @@ def bench_dtype(
                 )
                 if llama is not None:
                     times["llama_cpp_cold"].append(llama.ttft(ids))
-                    times["llama_cpp_memory"].append(llama.ttft(ids_of(warm_prompt), keep_context=True))
-                    # the document kept, the question evaluated: the same new tokens as kvboost warm
+                    # its context holds the stored prompt: the words added are evaluated, as kvboost extended
+                    times["llama_cpp_memory"].append(llama.ttft(ids_of(extend_prompt), keep_context=True))
+                    # the document kept, the new question evaluated: the same new tokens as kvboost warm
                     times["llama_cpp_same_new"].append(
                         llama.ttft(ids_of(warm_prompt), keep_context=True, keep_tokens=len(doc_ids))
                     )
@@ -152,7 +177,7 @@ def bench_dtype(
         }
         if use_llama:
             pairs |= {
-                "llama_cpp_memory_over_warm": ("llama_cpp_memory", "warm_memory"),
+                "llama_cpp_memory_over_extend": ("llama_cpp_memory", "warm_extend"),
                 "llama_cpp_same_new_over_warm": ("llama_cpp_same_new", "warm_memory"),
                 "llama_cpp_disk_over_warm_disk": ("llama_cpp_disk", "warm_disk"),
                 "llama_cpp_cold_over_cold": ("llama_cpp_cold", "cold"),
@@ -180,6 +205,7 @@ PLOT_LABELS = [
     ("llama_cpp_memory", "llama.cpp context reuse"),
     ("llama_cpp_disk", "llama.cpp LlamaDiskCache"),
     ("warm_memory", "kvboost warm (memory)"),
+    ("warm_extend", "kvboost extended prompt (memory)"),
     ("warm_disk", "kvboost warm (disk)"),
     ("full_hit", "kvboost full hit"),
 ]
