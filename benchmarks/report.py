@@ -356,6 +356,13 @@ def targets(results: dict[str, Any]) -> list[str]:
                     speed >= 4 and agree >= 0.98,
                 )
     if prefix := results.get("prefix_reuse"):
+        if all("past_common" in r for r in prefix["flat_prefixes"]):
+            beyond = max(r["past_common"]["max"] for r in prefix["flat_prefixes"])
+            add(
+                "exact reuse to the token: only the tokens past the longest common prefix recomputed",
+                f"{beyond:.0f} tokens recomputed beyond them (worst prompt)",
+                beyond <= 0,
+            )
         worst = max(r["short_of_prefix"]["max"] for r in prefix["flat_prefixes"])
         exact = all(r["bitwise"] for r in prefix["flat_prefixes"]) and prefix["prewarmed"]["bitwise"]
         add(

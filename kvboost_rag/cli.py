@@ -70,6 +70,13 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
         "none: entries are checked, not signed); every process sharing the store needs it",
     )
     p.add_argument(
+        "--store-previous-secret-file",
+        default=os.environ.get("KVBOOST_STORE_PREVIOUS_SECRETS_FILE"),
+        help="file of earlier store secrets, one per line, whose entries are still read (never written) "
+        "while a pool moves to a new secret (default: $KVBOOST_STORE_PREVIOUS_SECRETS_FILE, else the "
+        "comma-separated secrets in $KVBOOST_STORE_PREVIOUS_SECRETS)",
+    )
+    p.add_argument(
         "--store-file-mode",
         type=_octal_mode,
         default=0o600,
@@ -98,6 +105,33 @@ def _store_secret(args: argparse.Namespace) -> str | None:
     return os.environ.get("KVBOOST_STORE_SECRET") or None
 
 
+def _previous_secrets(args: argparse.Namespace) -> list[str]:
+    """Earlier store secrets from ``--store-previous-secret-file`` or ``$KVBOOST_STORE_PREVIOUS_SECRETS``."""
+    path = getattr(args, "store_previous_secret_file", None)
+    if path:
+        try:
+            text = Path(path).expanduser().read_text(encoding="utf-8")
+        except OSError as e:
+            msg = f"cannot read the previous store secrets file {path!r} ({e.strerror or e})"
+            raise InvalidRequestError(msg) from e
+        return [line.strip() for line in text.splitlines() if line.strip()]
+    listed = os.environ.get("KVBOOST_STORE_PREVIOUS_SECRETS", "")
+    return [s.strip() for s in listed.split(",") if s.strip()]
+
+
+def _store_secrets(args: argparse.Namespace) -> tuple[bytes, ...]:
+    """Every secret a store is read with, the signing one first (none: an unsigned store)."""
+    secret = _store_secret(args)
+    if secret is None:
+        if _previous_secrets(args):
+            raise InvalidRequestError(
+                "previous store secrets are read only next to the store secret that signs; set "
+                "KVBOOST_STORE_SECRET (or --store-secret-file) to the new secret"
+            )
+        return ()
+    return tuple(s.encode() for s in (secret, *_previous_secrets(args)))
+
+
 def _engine(args: argparse.Namespace, store_dir: str | None) -> Any:
     from .engine import KVBoostEngine
 
@@ -105,6 +139,7 @@ def _engine(args: argparse.Namespace, store_dir: str | None) -> Any:
     secret = _store_secret(args)
     if secret is not None:
         overrides["store_secret"] = secret
+        overrides["store_previous_secrets"] = _previous_secrets(args)
     for name in ("store_file_mode", "store_codec"):  # the commands that open a store take both
         if hasattr(args, name):
             overrides[name] = getattr(args, name)
@@ -190,6 +225,11 @@ def _parser() -> argparse.ArgumentParser:
 
     gc = sub.add_parser("gc", help="drop the entries of every namespace but the given model's")
     gc.add_argument("--store", default=_default_store())
+    gc.add_argument(
+        "--foreign",
+        action="store_true",
+        help="also drop intact entries signed otherwise than this process's store secret(s) sign",
+    )
     _add_store_args(gc)
     _add_model_args(gc)
 
@@ -354,13 +394,12 @@ def _prewarm(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _open_disk(store: str, secret: str | None = None) -> DiskStore:
+def _open_disk(store: str, secrets: tuple[bytes, ...] = ()) -> DiskStore:
     from .store import DiskStore
 
     if not Path(store).expanduser().is_dir():
         raise StoreError(f"no store at {store!r}; pass --store with the directory given to prewarm")
-    key = None if secret is None else secret.encode()
-    return DiskStore(store, namespace="", background_writes=False, secret=key)
+    return DiskStore(store, namespace="", background_writes=False, secret=secrets)
 
 
 def _disk_tier(engine: KVBoostEngine) -> DiskStore:
@@ -408,6 +447,7 @@ def _stats(args: argparse.Namespace) -> int:
 def _print_scan(report: VerifyReport) -> None:
     print(
         f"checked {report.checked} entries: {len(report.corrupt)} corrupt (removed), "
+        f"{len(report.foreign)} foreign (signed otherwise; kept, 'gc --foreign' removes them), "
         f"{len(report.unreadable)} unreadable (kept; check file permissions), "
         f"{report.reindexed} re-indexed, {report.orphans} orphans removed"
     )
@@ -416,7 +456,7 @@ def _print_scan(report: VerifyReport) -> None:
 def _verify(args: argparse.Namespace) -> int:
     from .maintenance import recompute_sample, scan
 
-    disk = _open_disk(args.store, _store_secret(args))
+    disk = _open_disk(args.store, _store_secrets(args))
     try:
         report = scan(disk)
     finally:
@@ -435,13 +475,17 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    from .maintenance import drop_foreign
+
     with _engine(args, args.store) as engine:
         disk = _disk_tier(engine)
         dropped = disk.drop_namespaces({engine.namespace})
         orphans = disk.remove_orphans()
+        foreign = drop_foreign(disk) if args.foreign else 0
     print(
         f"dropped {dropped} entries of other models, dtypes or tokenizers, "
         f"and {orphans} orphans (index rows without a payload, payload files of no entry)"
+        + (f", and {foreign} foreign entries (signed otherwise)" if args.foreign else "")
     )
     return EXIT_OK
 
@@ -451,8 +495,7 @@ def _repair(args: argparse.Namespace) -> int:
 
     if not Path(args.store).expanduser().is_dir():
         raise StoreError(f"no store at {args.store!r}; pass --store with the store's directory")
-    secret = _store_secret(args)
-    report = repair(args.store, secret=None if secret is None else secret.encode())
+    report = repair(args.store, secret=_store_secrets(args))
     aside = ", ".join(report.set_aside) or "none"
     print(f"damaged databases set aside and rebuilt: {aside}")
     print(f"payload files stored again: {report.adopted} ({report.refused} failed their checks, removed)")

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, model_validator
 
 DEFAULT_INVARIANT_CHUNK = 64
 """Chunk size with the split-invariant forward: reuse to within 64 tokens of any shared prefix."""
@@ -121,10 +121,19 @@ class EngineConfig(BaseModel):
     """Signs every disk and Redis entry this engine writes (HMAC-SHA256), and only entries signed
     with it are read: a process that can write the store (or the Redis server) but lacks the
     secret cannot make this engine serve its KV. At least 16 bytes (checked when the store
-    opens, so no error shows it); every process that shares the store needs the same one, and
-    entries signed otherwise, or not at all, are removed as foreign when read. The CLI reads it
+    opens, so no error shows it); every process that shares the store needs the same one.
+    Entries signed otherwise, or not at all, are *foreign*: misses for this engine, counted
+    (``engine.stats()["disk"]["extra"]["foreign"]``) and logged once, but left in the store for the
+    processes that wrote them (``kvboost-rag gc --foreign`` removes them). The CLI reads it
     from ``KVBOOST_STORE_SECRET`` or ``--store-secret-file``. Costs a hash of every byte read
     (~1.5 GB/s with SHA-NI). Never in dumps or reprs."""
+
+    store_previous_secrets: list[SecretStr] = Field(default_factory=list, repr=False)
+    """Secrets entries may also be signed with, read but never written: a pool moving from one
+    secret to another lists the old one here while ``store_secret`` holds the new one, so every
+    entry stays readable until the old ones age out (see the README's Security section). Needs
+    ``store_secret``. The CLI reads them from ``KVBOOST_STORE_PREVIOUS_SECRETS`` (comma-separated)
+    or ``--store-previous-secret-file`` (one per line)."""
 
     store_codec: StoreCodec = "raw"
     """How the disk and Redis tiers write KV (``kvboost_rag.store.codecs``); every codec is read
@@ -217,6 +226,24 @@ class EngineConfig(BaseModel):
     def store_secret_bytes(self) -> bytes | None:
         """``store_secret`` as the key the tiers sign with."""
         return None if self.store_secret is None else self.store_secret.get_secret_value().encode()
+
+    @property
+    def store_secrets_bytes(self) -> tuple[bytes, ...]:
+        """Every secret the tiers verify with, the one they sign with first (none: unsigned)."""
+        if self.store_secret_bytes is None:
+            return ()
+        previous = (s.get_secret_value().encode() for s in self.store_previous_secrets)
+        return (self.store_secret_bytes, *previous)
+
+    @model_validator(mode="after")
+    def _previous_secrets_need_a_secret(self) -> EngineConfig:
+        if self.store_previous_secrets and self.store_secret is None:
+            msg = (
+                "store_previous_secrets are read only next to a store_secret that signs; set store_secret "
+                "(KVBOOST_STORE_SECRET) to the new secret and list the old ones as previous"
+            )
+            raise ValueError(msg)
+        return self
 
     @field_serializer("redis_url")
     def _dump_redis_url(self, url: str | None) -> str | None:

@@ -24,6 +24,7 @@ from .runner import prefill
 from .store import CorruptEntryError, DiskStore
 from .store.codecs import codec_named
 from .store.disk import UnreadablePayloadError
+from .store.serialization import ForeignEntryError, Secrets
 
 if TYPE_CHECKING:
     from .engine import KVBoostEngine
@@ -39,6 +40,9 @@ class VerifyReport:
     checked: int = 0
     corrupt: list[str] = field(default_factory=list)
     """Keys whose entry failed a check, or a bitwise recompute (they are removed)."""
+    foreign: list[str] = field(default_factory=list)
+    """Keys of intact entries signed otherwise than the scan's secrets sign (kept: another process
+    may hold their secret; :func:`drop_foreign` removes them)."""
     unreadable: list[str] = field(default_factory=list)
     """Keys whose payload could not be read (file permissions, I/O errors); kept as they are."""
     reindexed: int = 0
@@ -59,8 +63,9 @@ class VerifyReport:
 def scan(store: DiskStore, *, orphan_age_s: float = 60.0) -> VerifyReport:
     """Read and check every entry of every namespace (checksum, signature, shape, dtype, key).
 
-    Corrupt entries are removed; entries the index lost are indexed again; index rows without
-    a payload and payload files that no entry names (older than ``orphan_age_s``) are removed.
+    Corrupt entries are removed; foreign ones (intact, signed otherwise) are counted and kept;
+    entries the index lost are indexed again; index rows without a payload and payload files
+    that no entry names (older than ``orphan_age_s``) are removed.
     """
     report = VerifyReport(orphans=store.remove_orphans(orphan_age_s))
     indexed = store.indexed_namespaces()
@@ -75,6 +80,8 @@ def scan(store: DiskStore, *, orphan_age_s: float = 60.0) -> VerifyReport:
         except CorruptEntryError:
             report.corrupt.append(key)
             store.remove(key)
+        except ForeignEntryError:
+            report.foreign.append(key)
         except (OSError, UnreadablePayloadError) as e:
             logger.warning("entry %s… cannot be read (%s); check the store's file permissions", key[:12], e)
             report.unreadable.append(key)
@@ -117,7 +124,7 @@ def _chain(store: DiskStore, key: str, namespace: str) -> list[tuple[str, tuple[
     while current is not None:
         try:
             entry = store.read_checked(current, namespace)
-        except CorruptEntryError:
+        except (CorruptEntryError, ForeignEntryError):
             return None
         if entry.token_ids is None:
             return None
@@ -157,7 +164,24 @@ def damaged_databases(directory: Path) -> list[str]:
     return damaged
 
 
-def repair(directory: str | Path, *, secret: bytes | None = None) -> RepairReport:
+def drop_foreign(store: DiskStore) -> int:
+    """Remove every intact entry signed otherwise than ``store``'s secrets sign (on purpose: the
+    processes that wrote them lose them); returns how many."""
+    indexed = store.indexed_namespaces()
+    doomed = []
+    for key, namespace in indexed.items():
+        try:
+            store.read_checked(key, namespace)
+        except ForeignEntryError:
+            doomed.append(key)
+        except (CorruptEntryError, OSError, UnreadablePayloadError):
+            continue  # damage is for scan()
+    for key in doomed:
+        store.remove(key)
+    return len(doomed)
+
+
+def repair(directory: str | Path, *, secret: Secrets = None) -> RepairReport:
     """Rebuild a store whose databases are damaged, keeping every payload that still checks.
 
     Damaged databases are set aside (renamed, never deleted) and made anew; payload files

@@ -60,11 +60,15 @@ def test_another_tokenizer_misses():
 def test_same_document_at_another_position_or_after_another_prefix_misses():
     e = engine(tiny_model("llama"))
     doc = Segment("A key-value cache stores attention keys and values per token. " * 3, "document")
-    e.generate([Segment("Intro one. "), doc, Segment("Q?")], max_new_tokens=1)
-    other_prefix = e.generate([Segment("Intro two. "), doc, Segment("Q?")], max_new_tokens=1)
-    assert other_prefix.usage.cached_tokens == 0
-    shifted = e.generate([Segment("Intro one. Longer. "), doc, Segment("Q?")], max_new_tokens=1)
-    assert shifted.usage.cached_tokens == 0
+    first = [Segment("Intro one. "), doc, Segment("Q?")]
+    e.generate(first, max_new_tokens=1)
+    for intro in ("Intro two. ", "Intro one. Longer. "):
+        prompt = [Segment(intro), doc, Segment("Q?")]
+        ids, stored = e.canonicalize(prompt).token_ids, e.canonicalize(first).token_ids
+        common = next(i for i, (a, b) in enumerate(zip(ids, stored, strict=False)) if a != b)
+        assert common < len(e.canonicalize(intro).token_ids)  # the prompts part inside the intro
+        # only the intro's shared leading tokens are read; the document after it is computed
+        assert e.generate(prompt, max_new_tokens=1).usage.cached_tokens == common
 
 
 def test_fingerprint_is_cached_and_fast_enough():

@@ -14,9 +14,9 @@ from helpers import tiny_model, tiny_tokenizer
 
 from kvboost_rag import EngineConfig, KVBoostEngine
 from kvboost_rag.errors import DamagedStoreError
-from kvboost_rag.maintenance import damaged_databases, recompute_sample, repair, scan
+from kvboost_rag.maintenance import damaged_databases, drop_foreign, recompute_sample, repair, scan
 from kvboost_rag.registry import DocumentRegistry
-from kvboost_rag.store import DiskStore
+from kvboost_rag.store import DiskStore, ForeignEntryError
 from kvboost_rag.store.serialization import encode
 
 PROMPT = "A key-value cache stores attention keys and values per token. " * 12
@@ -88,7 +88,7 @@ def test_a_signed_store_refuses_a_forged_entry_at_once(tmp_path):
     store_dir = tmp_path / "store"
     with make_engine(store_dir, store_secret=SECRET) as engine:
         engine.generate(PROMPT, max_new_tokens=1)
-    with DiskStore(store_dir, namespace="", background_writes=False) as store:
+    with DiskStore(store_dir, namespace="", background_writes=False, secret=SECRET.encode()) as store:
         key, namespace = next(iter(store.indexed_namespaces().items()))
         real = store.read_checked(key, namespace)
         forged = type(real)(torch.zeros_like(real.kv), real.last_logits, real.token_ids, real.parent_key)
@@ -96,7 +96,10 @@ def test_a_signed_store_refuses_a_forged_entry_at_once(tmp_path):
     cached, logits = cached_logits(store_dir, store_secret=SECRET)
     assert cached > 0 and torch.equal(logits, fresh_logits(PROMPT))  # recomputed, never served
     with DiskStore(store_dir, namespace="", background_writes=False, secret=SECRET.encode()) as store:
-        assert torch.equal(store.read_checked(key, namespace).kv, real.kv)  # removed, then stored again
+        with pytest.raises(ForeignEntryError, match="unsigned"):  # foreign: kept, never served
+            store.read_checked(key, namespace)
+        assert scan(store).foreign == [key]
+        assert drop_foreign(store) == 1 and not store.contains(key)
 
 
 def damage(path: Path) -> None:

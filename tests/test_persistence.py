@@ -268,4 +268,32 @@ def test_cli_signs_the_store_with_a_secret_from_a_file_or_the_environment(
     assert code == 0 and "0 corrupt" in out
     monkeypatch.setenv("KVBOOST_STORE_SECRET", "another secret of 32 characters.")
     code, out, _ = run_main(capsys, "verify", "--store", str(store))
-    assert code == 1 and "0 corrupt" not in out  # not signed with this secret: removed as foreign
+    assert code == 0 and "0 corrupt" in out and " 0 foreign" not in out  # signed otherwise: kept
+    monkeypatch.setenv("KVBOOST_STORE_SECRET", "a store secret of 32 characters.")
+    code, out, _ = run_main(capsys, *ask)
+    assert code == 0 and json.loads(out)["usage"]["cached_tokens"] > 0  # nothing was removed
+    monkeypatch.setenv("KVBOOST_STORE_SECRET", "another secret of 32 characters.")
+    monkeypatch.setenv("KVBOOST_STORE_PREVIOUS_SECRETS", "a store secret of 32 characters.")
+    code, out, _ = run_main(capsys, *ask)  # rotating: the old secret's entries are read
+    assert code == 0 and json.loads(out)["usage"]["cached_tokens"] > 0
+
+
+def test_engines_under_different_secrets_share_a_store_without_removing_each_others_entries(tmp_path):
+    from kvboost_rag import EngineConfig
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    prompt = essay_paragraphs(1, max_chars=600)[0] + " What is the first claim?"
+
+    def ask(secret: str | None) -> int:
+        config = EngineConfig(chunk_size=16, store_secret=secret)
+        with KVBoostEngine(model, tok, config=config, store_dir=tmp_path) as engine:
+            usage = engine.generate(prompt, max_new_tokens=2).usage
+            assert engine.stats()["disk"]["extra"]["corrupt"] == 0
+            return usage.cached_tokens_by_tier.get("disk", 0)
+
+    a, b = "secret A of at least 16 bytes", "secret B of at least 16 bytes"
+    assert ask(a) == 0  # A fills the store
+    assert ask(b) == 0  # B cannot trust A's entries: misses, and nothing removed
+    assert ask(None) == 0  # nor can a reader without a secret
+    prompt_tokens = len(KVBoostEngine(model, tok).canonicalize(prompt).token_ids)
+    assert ask(a) == prompt_tokens  # A reads all of its own entries again

@@ -12,11 +12,12 @@ from .disk import DiskStore
 from .eviction import EvictionPolicy
 from .factory import open_store
 from .memory import MemoryStore
-from .serialization import CorruptEntryError
+from .serialization import CorruptEntryError, ForeignEntryError
 from .tiered import TieredStore
 
 __all__ = [
     "CorruptEntryError",
+    "ForeignEntryError",
     "DiskStore",
     "EvictionPolicy",
     "Hit",

@@ -7,8 +7,10 @@
   :class:`~.eviction.EvictionPolicy` ranks the entries.
 - Writes run on a background thread so the cold path never waits on the disk;
   :meth:`DiskStore.flush` (called by ``close()`` and at exit) waits for them.
-- A corrupt, truncated or foreign entry is a miss: it is removed, counted and logged. With a
-  store secret, entries are signed and one that is not signed with it counts as foreign.
+- A corrupt or truncated entry is a miss: it is removed, counted and logged. With a store
+  secret, entries are signed; an intact entry signed otherwise (another secret, or none) is
+  foreign: a miss, counted and logged once, but left for the processes that signed it
+  (:class:`~.resilience.ForeignEntries`).
 - Files are created private to their owner (``file_mode``, 0600; directories 0700), since
   entries hold prompts as token ids.
 - A full disk turns the tier off with a warning; generation carries on from memory.
@@ -35,8 +37,18 @@ from ..errors import DamagedStoreError, KVBoostError, StoreError
 from .base import Hit, StoredChunk, TierCounters, TierStats
 from .codecs import codec_named
 from .eviction import Candidate, EvictionPolicy
-from .resilience import RateLimitedWarnings
-from .serialization import CorruptEntryError, Entry, claimed_owner, decode_entry, encode, servable
+from .resilience import ForeignEntries, RateLimitedWarnings
+from .serialization import (
+    CorruptEntryError,
+    Entry,
+    ForeignEntryError,
+    Secrets,
+    claimed_owner,
+    decode_entry,
+    encode,
+    secrets_of,
+    servable,
+)
 from .writer import WriteBehindTier
 
 logger = logging.getLogger(__name__)
@@ -188,7 +200,7 @@ class DiskStore(WriteBehindTier):
         background_writes: bool = True,
         policy: EvictionPolicy | None = None,
         warn_every_s: float = 0.0,
-        secret: bytes | None = None,
+        secret: Secrets = None,
         file_mode: int | None = 0o600,
         codec: str = "raw",
     ) -> None:
@@ -201,7 +213,8 @@ class DiskStore(WriteBehindTier):
             policy: which entries go first when over ``max_bytes``.
             warn_every_s: at most one warning per kind of problem in this period; 0 (the default):
                 each problem is logged (a disk fails rarely, and each unusable entry is worth a line).
-            secret: store secret: entries are signed with it, and read only when signed with it.
+            secret: store secret: entries are signed with it, and read only when signed with it;
+                several during a rotation (the first signs, any of them verifies).
             file_mode: permission bits of the files the tier creates (directories: the same
                 plus search bits); 0o640 or 0o660 to share with a group; None: the umask's.
             codec: how entries are written (:mod:`.codecs`); entries of every codec are read, those
@@ -210,7 +223,7 @@ class DiskStore(WriteBehindTier):
         self.directory = Path(directory).expanduser()
         self.namespace = namespace
         self.max_bytes = max_bytes
-        self.secret = None if secret is None else check_secret(secret)
+        self.secrets = tuple(check_secret(s) for s in secrets_of(secret))
         self.codec = codec_named(codec)
         is_new = not (self.directory / "kv" / "cache.db").exists()
         _check_writable(self.directory)
@@ -239,8 +252,9 @@ class DiskStore(WriteBehindTier):
         if file_mode is not None:
             cast(KVDisk, self._cache.disk).file_mode = file_mode
         self._policy = policy or EvictionPolicy()
-        self._counters = TierCounters(extra=["corrupt", "unreadable"])
+        self._counters = TierCounters(extra=["corrupt", "foreign", "unreadable"])
         self._warnings = RateLimitedWarnings(logger, warn_every_s)
+        self._foreign = ForeignEntries(logger, self.name, self._counters)
         self._disabled_reason: str | None = None
         self._start_writer("kvboost-disk-writer", background=background_writes)
 
@@ -258,10 +272,12 @@ class DiskStore(WriteBehindTier):
         entry: Entry | None = None
         try:
             data = self._read(key)
-            entry = None if data is None else decode_entry(data, self.namespace, key, secret=self.secret)
+            entry = None if data is None else decode_entry(data, self.namespace, key, secret=self.secrets)
             entry = servable(entry, self.codec)
         except CorruptEntryError as e:
             self._drop_corrupt(key, str(e))
+        except ForeignEntryError as e:
+            self._foreign.seen(key, str(e))
         except (OSError, sqlite3.Error, UnreadablePayloadError) as e:
             self._counters.add("unreadable")
             self._warnings.warn(
@@ -344,11 +360,12 @@ class DiskStore(WriteBehindTier):
         return len(doomed)
 
     def read_checked(self, key: str, namespace: str) -> StoredChunk:
-        """Read and check one entry of any namespace; raises :class:`CorruptEntryError`."""
+        """Read and check one entry of any namespace; raises :class:`CorruptEntryError` or
+        :class:`ForeignEntryError`."""
         data = self._read(key)
         if data is None:
             raise CorruptEntryError("no payload for an indexed key")
-        return decode_entry(data, namespace, key, secret=self.secret).chunk
+        return decode_entry(data, namespace, key, secret=self.secrets).chunk
 
     def stored_keys(self) -> list[str]:
         """Every key with a payload, of every namespace, whether the index knows it or not."""
@@ -369,7 +386,8 @@ class DiskStore(WriteBehindTier):
         namespace, claimed = claimed_owner(data)
         if claimed != key:
             raise CorruptEntryError("entry belongs to another key")
-        entry = decode_entry(data, namespace, key, secret=self.secret)
+        # intact is enough to index it (a foreign entry is evicted in time; it is never served)
+        entry = decode_entry(data, namespace, key, check_signature=False)
         self._add_row(key, namespace, len(data), entry.chunk.num_tokens, entry.cost or 1.0, pin=False)
         return namespace
 
@@ -404,7 +422,7 @@ class DiskStore(WriteBehindTier):
         delete the file; returns the key. Raises :class:`CorruptEntryError` (the file is kept)."""
         data = path.read_bytes()
         namespace, key = claimed_owner(data)
-        entry = decode_entry(data, namespace, key, secret=self.secret)
+        entry = decode_entry(data, namespace, key, check_signature=False)  # intact: see reindex
         if key in self._cache:  # stored again since: that entry wins, this file is a stale copy
             path.unlink()
             return key
@@ -437,10 +455,10 @@ class DiskStore(WriteBehindTier):
 
     def _write(self, key: str, chunk: StoredChunk, cost: float, pin: bool) -> None:
         """Store one entry, then evict down to ``max_bytes`` (a queued write)."""
-        if self._disabled_reason is not None:
+        if self._disabled_reason is not None or key in self._foreign:
             return
         try:
-            data = encode(chunk, self.namespace, key, cost, secret=self.secret, codec=self.codec)
+            data = encode(chunk, self.namespace, key, cost, secret=self.secrets, codec=self.codec)
             self._cache.set(key, data)
             self._add_row(key, self.namespace, len(data), chunk.num_tokens, cost, pin)
         except (OSError, sqlite3.OperationalError) as e:

@@ -31,7 +31,7 @@ def open_store(config: EngineConfig, namespace: str, store_dir: str | Path | Non
                 store_dir,
                 namespace,
                 max_bytes=config.max_disk_bytes,
-                secret=config.store_secret_bytes,
+                secret=config.store_secrets_bytes,
                 file_mode=config.store_file_mode,
                 codec=config.store_codec,
             )
@@ -69,6 +69,6 @@ def open_redis(config: EngineConfig, namespace: str) -> KVStore:
         config.redis_url,
         namespace=namespace,
         options=replace(options, **config.redis_options),
-        secret=config.store_secret_bytes,
+        secret=config.store_secrets_bytes,
         codec=config.store_codec,
     )

@@ -51,8 +51,17 @@ from .codecs import codec_named
 from .redis_options import RedisOptions, describe, describe_url
 from .redis_records import RedisRecords
 from .redis_scripts import NamespaceKeys, Scripts
-from .resilience import CircuitBreaker, RateLimitedWarnings
-from .serialization import CorruptEntryError, Entry, decode_entry, encode, servable
+from .resilience import CircuitBreaker, ForeignEntries, RateLimitedWarnings
+from .serialization import (
+    CorruptEntryError,
+    Entry,
+    ForeignEntryError,
+    Secrets,
+    decode_entry,
+    encode,
+    secrets_of,
+    servable,
+)
 from .writer import WriteBehindTier, WriteOp
 
 __all__ = ["RedisOptions", "RedisRecords", "RedisStore"]
@@ -61,9 +70,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_EXTRA_COUNTERS = ("errors", "corrupt", "skipped", "dropped_writes", "expired")
-"""``stats()["redis"].extra``: failed calls, unusable values (counted misses), calls skipped while
-backing off, writes dropped for a full queue, and records of expired entries forgotten."""
+_EXTRA_COUNTERS = ("errors", "corrupt", "foreign", "skipped", "dropped_writes", "expired")
+"""``stats()["redis"].extra``: failed calls, unusable values (counted misses, removed), entries signed
+otherwise than this tier signs (counted misses, kept), calls skipped while backing off, writes
+dropped for a full queue, and records of expired entries forgotten."""
 
 
 _CLUSTER_REPLIES = (AskError, ClusterCrossSlotError, ClusterDownError)
@@ -109,7 +119,7 @@ class RedisStore(WriteBehindTier):
         namespace: str,
         client: redis.Redis | RedisCluster | None = None,
         options: RedisOptions | None = None,
-        secret: bytes | None = None,
+        secret: Secrets = None,
         codec: str = "raw",
         **settings: Any,
     ) -> None:
@@ -120,7 +130,8 @@ class RedisStore(WriteBehindTier):
             client: an existing client, instead of ``url`` and the connection settings.
             options: the tier's settings (:class:`~.redis_options.RedisOptions`).
             secret: store secret: entries are signed with it, and read only when signed with it
-                (a client of the server that lacks it cannot make this tier serve its KV).
+                (a client of the server that lacks it cannot make this tier serve its KV); several
+                during a rotation (the first signs, any of them verifies).
             codec: how entries are written (:mod:`.codecs`); entries of every codec are read, those
                 of an approximate one only when ``codec`` is approximate too.
             settings: single :class:`~.redis_options.RedisOptions` fields, over ``options``
@@ -128,7 +139,7 @@ class RedisStore(WriteBehindTier):
         """
         if (url is None) == (client is None):
             raise ValueError("pass either a Redis url or a client")
-        self.secret = None if secret is None else check_secret(secret)
+        self.secrets = tuple(check_secret(s) for s in secrets_of(secret))
         self.codec = codec_named(codec)
         self.options = replace(options or RedisOptions(), **settings)
         o = self.options
@@ -159,6 +170,7 @@ class RedisStore(WriteBehindTier):
         self._breaker = CircuitBreaker(o.backoff_s, o.max_backoff_s)
         self._warnings = RateLimitedWarnings(logger, o.warn_every_s)
         self._counters = TierCounters(extra=_EXTRA_COUNTERS)
+        self._foreign = ForeignEntries(logger, self.name, self._counters)
         self._start_writer(
             "kvboost-redis-writer",
             background=o.background_writes,
@@ -173,11 +185,13 @@ class RedisStore(WriteBehindTier):
         try:
             data = self._call("read", lambda: self._client.get(self._keys.entry(key)))
             if data is not None:
-                entry = servable(decode_entry(data, self.namespace, key, secret=self.secret), self.codec)
+                entry = servable(decode_entry(data, self.namespace, key, secret=self.secrets), self.codec)
         except _Unavailable:
             pass
         except (CorruptEntryError, _WrongType) as e:
             self._drop_corrupt(key, str(e))
+        except ForeignEntryError as e:
+            self._foreign.seen(key, str(e))
         self._counters.read(found=entry is not None)
         if entry is None:
             return None
@@ -394,7 +408,9 @@ class RedisStore(WriteBehindTier):
 
     def _write(self, key: str, chunk: StoredChunk, cost: float, pin: bool) -> None:
         """Store one entry, evicting down to ``max_bytes`` (a queued write)."""
-        data = encode(chunk, self.namespace, key, cost, secret=self.secret, codec=self.codec)
+        if key in self._foreign:
+            return
+        data = encode(chunk, self.namespace, key, cost, secret=self.secrets, codec=self.codec)
         now, ttl_ms = time.time(), self.options.ttl_ms
         written = self._attempt(
             "write",

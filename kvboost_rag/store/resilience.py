@@ -7,6 +7,8 @@ dropped, and the request goes on. These pieces keep such failures cheap and visi
   failures repeat), so a dead server costs one timeout per period instead of one per chunk.
 - :class:`RateLimitedWarnings` logs one line per kind of problem per period, with a count of
   the lines it held back, so a failing backend under load does not bury everything else.
+- :class:`ForeignEntries` keeps a shared store whole under mixed secrets: an entry this process
+  cannot trust is a miss here, but left in place (and not overwritten) for those that can.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 
@@ -91,3 +94,52 @@ class RateLimitedWarnings:
             key[:12],
             reason,
         )
+
+
+class ForeignEntries:
+    """Entries a tier read intact but signed otherwise than it signs (another store secret, or
+    signed where it has none, unsigned where it has one): each read is a miss, counted as
+    ``foreign``; one warning per reason names the fix; the entry stays for the processes that
+    signed it, and this tier does not overwrite it with its own copy (those processes would then
+    find theirs foreign in turn). Eviction by size and age still removes it in time.
+
+    >>> from kvboost_rag.store.base import TierCounters
+    >>> counters = TierCounters(extra=["foreign"])
+    >>> foreign = ForeignEntries(logging.getLogger("example"), "disk", counters)
+    >>> foreign.seen("k1", "signed under another store secret")
+    >>> "k1" in foreign, "k2" in foreign, counters.snapshot().extra["foreign"]
+    (True, False, 1)
+    """
+
+    MAX_KEYS = 1 << 16
+    """Keys remembered (not to overwrite); the oldest are forgotten beyond it."""
+
+    def __init__(self, logger: logging.Logger, tier: str, counters: Any) -> None:
+        self._logger, self._tier, self._counters = logger, tier, counters
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def seen(self, key: str, reason: str) -> None:
+        """A read found ``key`` foreign for ``reason``."""
+        self._counters.add("foreign")
+        with self._lock:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            if len(self._keys) > self.MAX_KEYS:
+                self._keys.popitem(last=False)
+            first = reason not in self._warned
+            self._warned.add(reason)
+        if first:
+            self._logger.warning(
+                "%s tier holds entries %s; they are misses for this process and stay for the processes "
+                "that wrote them: give every process the same store secret (KVBOOST_STORE_SECRET, "
+                "EngineConfig.store_secret), or list the old one in store_previous_secrets while "
+                "rotating; 'kvboost-rag gc --foreign' removes them",
+                self._tier,
+                reason,
+            )
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._keys

@@ -14,8 +14,13 @@ at ~14 GB/s here, so checking costs far less than reading the bytes.
 The digest detects damage, not forgery: anyone who can write the store can compute it.
 A store shared with writers that are not trusted takes a *store secret*: entries are then
 signed (magic ``b"KVS2"``, a 32-byte HMAC-SHA256 after the digest, over everything but the
-two checks), and a reader with the secret refuses an entry whose signature fails or that
-has none. HMAC-SHA256 runs at ~1.5 GB/s here (SHA-NI), so signing is opt-in.
+two checks). HMAC-SHA256 runs at ~1.5 GB/s here (SHA-NI), so signing is opt-in.
+
+An intact entry (its digest holds) that is signed otherwise than the reader signs (under
+another secret; unsigned where the reader has secrets; signed where it has none) is
+*foreign* (:class:`ForeignEntryError`): this reader cannot trust it, but it is not damaged,
+and another process may: it is a miss, never removed for it. During a rotation a reader
+takes several secrets (the first signs; any of them verifies).
 
 >>> import torch
 >>> chunk = StoredChunk(torch.arange(24, dtype=torch.float32).reshape(1, 2, 1, 3, 4))
@@ -26,7 +31,7 @@ has none. HMAC-SHA256 runs at ~1.5 GB/s here (SHA-NI), so signing is opt-in.
 >>> decode(signed, "ns", "k", secret=b"x" * 32)
 Traceback (most recent call last):
 ...
-kvboost_rag.store.serialization.CorruptEntryError: signature mismatch (written without this store secret)
+kvboost_rag.store.serialization.ForeignEntryError: signed under another store secret
 >>> small = decode(encode(chunk, "ns", "k", codec=codec_named("int8")), "ns", "k")
 >>> small.approximate, small.kv.shape == chunk.kv.shape
 (True, True)
@@ -39,7 +44,7 @@ import hmac
 import json
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -59,6 +64,27 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloa
 
 class CorruptEntryError(KVBoostError, ValueError):
     """A stored entry failed a check (format, namespace, key, shape, dtype or checksum)."""
+
+
+class ForeignEntryError(KVBoostError, ValueError):
+    """An intact entry signed otherwise than this reader signs: a miss for it, not damage."""
+
+
+Secrets = bytes | Sequence[bytes] | None
+"""A store secret, several (a rotation: the first signs, any verifies), or none."""
+
+
+def secrets_of(secret: Secrets) -> tuple[bytes, ...]:
+    """``secret`` as a tuple, the signing one first.
+
+    >>> secrets_of(None), secrets_of(b"a"), secrets_of([b"a", b"b"])
+    ((), (b'a',), (b'a', b'b'))
+    """
+    if secret is None:
+        return ()
+    if isinstance(secret, (bytes, bytearray)):
+        return (bytes(secret),)
+    return tuple(bytes(s) for s in secret)
 
 
 class Entry(NamedTuple):
@@ -82,11 +108,11 @@ def encode(
     key: str,
     cost: float = 1.0,
     *,
-    secret: bytes | None = None,
+    secret: Secrets = None,
     codec: Codec = RAW,
 ) -> bytes:
     """The entry's bytes: checked header, then the KV in ``codec`` and the raw logits; signed with
-    ``secret``."""
+    ``secret`` (the first, when several)."""
     kv = b"".join(codec.encode(chunk.kv)) if codec is not RAW else raw_bytes(chunk.kv)
     logits = raw_bytes(chunk.last_logits) if chunk.last_logits is not None else memoryview(b"")
     header = {
@@ -106,31 +132,34 @@ def encode(
     digest = xxhash.xxh3_128(head)
     digest.update(kv)
     digest.update(logits)
-    if secret is None:
+    secrets = secrets_of(secret)
+    if not secrets:
         return b"".join((MAGIC, _HEADER_LEN.pack(len(head)), head, digest.digest(), kv, logits))
     framing = SIGNED_MAGIC + _HEADER_LEN.pack(len(head)) + head
-    mac = _signature(secret, framing, (kv, logits))
+    mac = _signature(secrets[0], framing, (kv, logits))
     return b"".join((framing, digest.digest(), mac, kv, logits))
 
 
 def decode(
-    data: bytes | bytearray | memoryview, namespace: str, key: str, *, secret: bytes | None = None
+    data: bytes | bytearray | memoryview, namespace: str, key: str, *, secret: Secrets = None
 ) -> StoredChunk:
     """Check and decode an entry; tensors are CPU views on ``data`` when it is writable."""
     return decode_entry(data, namespace, key, secret=secret).chunk
 
 
-def decode_entry(data: object, namespace: str, key: str, *, secret: bytes | None = None) -> Entry:
-    """Check and decode a value read from a tier, whatever it is; raises :class:`CorruptEntryError`.
-
-    With ``secret`` the entry must be signed with it; without, a signed entry is checked by its
-    digest alone.
+def decode_entry(
+    data: object, namespace: str, key: str, *, secret: Secrets = None, check_signature: bool = True
+) -> Entry:
+    """Check and decode a value read from a tier, whatever it is; raises :class:`CorruptEntryError`
+    (damage) or :class:`ForeignEntryError` (intact, but signed otherwise than ``secret`` signs: with
+    secrets, the entry must be signed with one of them; without, it must be unsigned).
+    ``check_signature=False`` checks integrity only (maintenance indexing an entry it never serves).
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CorruptEntryError(f"the tier returned a {type(data).__name__}, not bytes")
     try:
-        return _decode(memoryview(data), namespace, key, secret)
-    except CorruptEntryError:
+        return _decode(memoryview(data), namespace, key, secrets_of(secret) if check_signature else None)
+    except (CorruptEntryError, ForeignEntryError):
         raise
     except Exception as e:  # a value crafted or mangled so that even the checks trip: still only a miss
         raise CorruptEntryError(f"undecodable value ({type(e).__name__}: {e})") from e
@@ -159,12 +188,10 @@ def claimed_owner(data: bytes | bytearray | memoryview) -> tuple[str, str]:
         raise CorruptEntryError(f"unreadable header ({e})") from e
 
 
-def _decode(view: memoryview, namespace: str, key: str, secret: bytes | None) -> Entry:
+def _decode(view: memoryview, namespace: str, key: str, secrets: tuple[bytes, ...] | None) -> Entry:
     if len(view) < 8 or view[:4] not in (MAGIC, SIGNED_MAGIC):
         raise CorruptEntryError("not a kvboost KV entry (bad magic)")
     signed = view[:4] == SIGNED_MAGIC
-    if secret is not None and not signed:
-        raise CorruptEntryError("unsigned entry in a store read with a store secret")
     (head_len,) = _HEADER_LEN.unpack(view[4:8])
     head = view[8 : 8 + head_len]
     digest = view[8 + head_len : 8 + head_len + _DIGEST_BYTES]
@@ -177,10 +204,10 @@ def _decode(view: memoryview, namespace: str, key: str, secret: bytes | None) ->
     check.update(payload)
     if check.digest() != digest:
         raise CorruptEntryError("checksum mismatch")
-    if secret is not None and not hmac.compare_digest(
-        _signature(secret, view[: 8 + head_len], (payload,)), mac
-    ):
-        raise CorruptEntryError("signature mismatch (written without this store secret)")
+    if secrets is not None:  # intact: a signature that does not verify makes it foreign, not damaged
+        _check_signer(
+            secrets, signed, lambda secret: _signature(secret, view[: 8 + head_len], (payload,)), mac
+        )
     try:
         header = json.loads(bytes(head))
         kv_shape, kv_dtype = tuple(header["kv_shape"]), _DTYPES[header["kv_dtype"]]
@@ -211,6 +238,19 @@ def _decode(view: memoryview, namespace: str, key: str, secret: bytes | None) ->
         raise CorruptEntryError("token count does not match the KV shape")
     ids = tuple(token_ids) if token_ids is not None else None
     return Entry(StoredChunk(kv, logits, ids, header.get("parent_key"), codec.name), cost)
+
+
+def _check_signer(
+    secrets: tuple[bytes, ...], signed: bool, signature: Callable[[bytes], bytes], mac: memoryview
+) -> None:
+    """Raise :class:`ForeignEntryError` unless the entry is signed as this reader signs: with one of
+    ``secrets``, or not at all when there are none."""
+    if secrets and not signed:
+        raise ForeignEntryError("unsigned (written without a store secret)")
+    if signed and not secrets:
+        raise ForeignEntryError("signed (written with a store secret this reader lacks)")
+    if secrets and not any(hmac.compare_digest(signature(secret), mac) for secret in secrets):
+        raise ForeignEntryError("signed under another store secret")
 
 
 def _cost(value: object) -> float | None:

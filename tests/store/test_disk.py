@@ -662,19 +662,52 @@ def test_a_replace_racing_a_read_does_not_delete_the_new_entry(store_dir):
 SECRET = b"the store secret, 32 bytes long."
 
 
-def test_a_signed_store_reads_its_entries_and_removes_those_not_signed_with_its_secret(store_dir):
+OTHER_SECRET = b"another secret, 32 bytes long.."
+
+
+def test_under_mixed_secrets_each_reader_misses_the_others_entries_and_removes_none(store_dir, caplog):
     with DiskStore(store_dir, namespace=NS, secret=SECRET, background_writes=False) as signed:
         signed.put(key(1), chunk(BIG_TOKENS, fill=1.0))
         assert torch.equal(signed.get(key(1)).chunk.kv, chunk(BIG_TOKENS, fill=1.0).kv)
     with DiskStore(store_dir, namespace=NS, background_writes=False) as plain:
-        assert plain.get(key(1)) is not None  # a reader without the secret checks the digest alone
-        plain.put(key(2), chunk(BIG_TOKENS, fill=2.0))  # unsigned: a writer that lacks the secret
-    with DiskStore(store_dir, namespace=NS, secret=b"another secret, 32 bytes long..") as other:
-        assert other.get(key(1)) is None  # signed with another secret: foreign
-        assert disk_stats(other).extra["corrupt"] == 1
+        assert plain.get(key(1)) is None  # signed with a secret this reader lacks: foreign
+        plain.put(key(1), chunk(BIG_TOKENS, fill=9.0))  # its own copy does not replace the signed one
+        plain.put(key(2), chunk(BIG_TOKENS, fill=2.0))  # unsigned: a writer without the secret
+        assert plain.get(key(2)) is not None
+        assert disk_stats(plain).extra["foreign"] == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), DiskStore(store_dir, namespace=NS, secret=OTHER_SECRET) as other:
+        for _ in range(3):
+            assert other.get(key(1)) is None and other.get(key(2)) is None
+        stats = disk_stats(other)
+        assert stats.extra["foreign"] == 6 and stats.extra["corrupt"] == 0
+    warnings = [r.getMessage() for r in caplog.records if "KVBOOST_STORE_SECRET" in r.getMessage()]
+    assert len(warnings) == 2  # once per reason (signed otherwise, unsigned), with the fix
     with DiskStore(store_dir, namespace=NS, secret=SECRET) as signed:
-        assert signed.get(key(2)) is None and not signed.contains(key(2))  # unsigned: removed
-        assert signed.get(key(1)) is None  # removed by the reader with the other secret
+        assert torch.equal(signed.get(key(1)).chunk.kv, chunk(BIG_TOKENS, fill=1.0).kv)  # still its own
+        assert signed.get(key(2)) is None and signed.contains(key(2))  # unsigned: a miss, kept
+        assert disk_stats(signed).extra["corrupt"] == 0
+
+
+def test_a_damaged_entry_signed_with_the_readers_own_secret_is_removed(store_dir):
+    with DiskStore(store_dir, namespace=NS, secret=SECRET, background_writes=False) as signed:
+        signed.put(key(1), chunk(BIG_TOKENS, fill=1.0))
+        (path,) = val_files(store_dir)
+        _flip(path)
+        assert signed.get(key(1)) is None and not signed.contains(key(1))
+        assert disk_stats(signed).extra["corrupt"] == 1
+
+
+def test_during_a_rotation_entries_of_both_secrets_are_read_and_new_ones_signed_with_the_first(store_dir):
+    with DiskStore(store_dir, namespace=NS, secret=SECRET, background_writes=False) as old:
+        old.put(key(1), chunk(BIG_TOKENS, fill=1.0))
+    rotating = DiskStore(store_dir, namespace=NS, secret=[OTHER_SECRET, SECRET], background_writes=False)
+    with rotating:
+        assert rotating.get(key(1)) is not None
+        rotating.put(key(2), chunk(BIG_TOKENS, fill=2.0))
+    with DiskStore(store_dir, namespace=NS, secret=OTHER_SECRET) as new:
+        assert new.get(key(2)) is not None  # written under the new secret
+        assert new.get(key(1)) is None and disk_stats(new).extra["foreign"] == 1  # the old one's
 
 
 def test_a_short_secret_is_refused(store_dir):

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from kvboost_rag.store.base import StoredChunk
-from kvboost_rag.store.serialization import MAGIC, CorruptEntryError, decode, decode_entry, encode
+from kvboost_rag.store.serialization import (
+    MAGIC,
+    CorruptEntryError,
+    ForeignEntryError,
+    decode,
+    decode_entry,
+    encode,
+)
 
 NS, KEY = "model-a|tok-a|float32|v1", "0f" * 32
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -408,40 +415,57 @@ def forged(data: bytes, kv: torch.Tensor) -> bytes:
     return data[: 8 + n] + digest + data[8 + n + DIGEST_BYTES : start] + payload
 
 
+OTHER = b"another secret of 32 bytes......"
+
+
 @pytest.mark.parametrize("logits", [False, True], ids=["no-logits", "logits"])
-def test_a_signed_entry_round_trips_with_its_secret_and_without_one(logits):
+def test_a_signed_entry_round_trips_with_its_secret_and_is_foreign_without_one(logits):
     chunk = make_chunk(logits=logits)
     data = encode(chunk, NS, KEY, secret=SECRET)
     assert data[:4] == b"KVS2"
-    for secret in (SECRET, None):  # a reader without the secret checks the digest alone
-        back = decode(data, NS, KEY, secret=secret)
-        assert_bitwise(back.kv, chunk.kv)
+    assert_bitwise(decode(data, NS, KEY, secret=SECRET).kv, chunk.kv)
+    with pytest.raises(ForeignEntryError, match="lacks"):
+        decode(data, NS, KEY)
+    assert_bitwise(decode_entry(data, NS, KEY, check_signature=False).chunk.kv, chunk.kv)  # intact
 
 
-def test_a_forged_entry_with_a_valid_digest_is_refused_with_the_secret():
+def test_a_forged_entry_with_a_valid_digest_is_never_served_with_the_secret():
     chunk = make_chunk()
     data = encode(chunk, NS, KEY, secret=SECRET)
     garbage = forged(data, torch.zeros_like(chunk.kv))
-    assert torch.equal(decode(garbage, NS, KEY).kv, torch.zeros_like(chunk.kv))  # the digest holds
-    with pytest.raises(CorruptEntryError, match="signature mismatch"):
+    intact = decode_entry(garbage, NS, KEY, check_signature=False).chunk  # the digest holds
+    assert torch.equal(intact.kv, torch.zeros_like(chunk.kv))
+    with pytest.raises(ForeignEntryError, match="another store secret"):
         decode(garbage, NS, KEY, secret=SECRET)
 
 
 def test_every_flipped_byte_of_a_signed_entry_is_refused():
     data = encode(make_chunk(shape=(1, 2, 1, 2, 4)), NS, KEY, secret=SECRET)
+    (n,) = struct.unpack("<I", data[4:8])
+    signature = range(8 + n + DIGEST_BYTES, 8 + n + DIGEST_BYTES + 32)  # not covered by the digest
     for i in range(len(data)):
         corrupted = bytearray(data)
         corrupted[i] ^= 0x01
-        with pytest.raises(CorruptEntryError):
+        with pytest.raises(ForeignEntryError if i in signature else CorruptEntryError):
             decode(corrupted, NS, KEY, secret=SECRET)
 
 
-def test_an_unsigned_entry_or_another_secret_is_refused():
+def test_an_unsigned_entry_or_another_secret_is_foreign():
     chunk = make_chunk()
-    with pytest.raises(CorruptEntryError, match="unsigned"):
+    with pytest.raises(ForeignEntryError, match="unsigned"):
         decode(encode(chunk, NS, KEY), NS, KEY, secret=SECRET)
-    with pytest.raises(CorruptEntryError, match="signature"):
-        decode(encode(chunk, NS, KEY, secret=b"another secret of 32 bytes......"), NS, KEY, secret=SECRET)
+    with pytest.raises(ForeignEntryError, match="another store secret"):
+        decode(encode(chunk, NS, KEY, secret=OTHER), NS, KEY, secret=SECRET)
+
+
+def test_during_a_rotation_every_listed_secret_verifies_and_the_first_signs():
+    chunk = make_chunk()
+    old, new = encode(chunk, NS, KEY, secret=SECRET), encode(chunk, NS, KEY, secret=[OTHER, SECRET])
+    for data in (old, new):
+        assert_bitwise(decode(data, NS, KEY, secret=[OTHER, SECRET]).kv, chunk.kv)
+    assert_bitwise(decode(new, NS, KEY, secret=OTHER).kv, chunk.kv)
+    with pytest.raises(ForeignEntryError):
+        decode(old, NS, KEY, secret=OTHER)
 
 
 def test_a_short_secret_is_refused_with_the_fix():
