@@ -11,9 +11,9 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any
 
-from .config import StoreCodec
+from .cli_store import add_store_args, previous_secrets, store_secret, store_secrets
 from .errors import (
     DamagedStoreError,
     InvalidRequestError,
@@ -54,92 +54,14 @@ def _add_redis_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _octal_mode(text: str) -> int:
-    mode = int(text, 8)
-    if not 0 <= mode <= 0o777:
-        raise ValueError(f"{text} is not a file mode; pass octal permission bits such as 600 or 640")
-    return mode
-
-
-def _add_store_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--store-secret-file",
-        default=os.environ.get("KVBOOST_STORE_SECRET_FILE"),
-        help="file holding the store secret that signs every entry and must sign every entry read "
-        "(default: $KVBOOST_STORE_SECRET_FILE, else the secret itself in $KVBOOST_STORE_SECRET; "
-        "none: entries are checked, not signed); every process sharing the store needs it",
-    )
-    p.add_argument(
-        "--store-previous-secret-file",
-        default=os.environ.get("KVBOOST_STORE_PREVIOUS_SECRETS_FILE"),
-        help="file of earlier store secrets, one per line, whose entries are still read (never written) "
-        "while a pool moves to a new secret (default: $KVBOOST_STORE_PREVIOUS_SECRETS_FILE, else the "
-        "comma-separated secrets in $KVBOOST_STORE_PREVIOUS_SECRETS)",
-    )
-    p.add_argument(
-        "--store-file-mode",
-        type=_octal_mode,
-        default=0o600,
-        help="permission bits of new store files, in octal (default: 600, directories 700; "
-        "640 or 660 to share the store with a group)",
-    )
-    p.add_argument(
-        "--store-codec",
-        choices=get_args(StoreCodec),
-        default="raw",
-        help="how new entries are written: raw (default), zstd (lossless), int8 or int4 (approximate: "
-        "counted as approx_tokens, and served only by stores that chose a lossy codec)",
-    )
-
-
-def _store_secret(args: argparse.Namespace) -> str | None:
-    """The store secret from ``--store-secret-file`` or ``$KVBOOST_STORE_SECRET`` (never a flag:
-    the process list would show it)."""
-    path = getattr(args, "store_secret_file", None)
-    if path:
-        try:
-            return Path(path).expanduser().read_text(encoding="utf-8").strip()
-        except OSError as e:
-            msg = f"cannot read the store secret file {path!r} ({e.strerror or e})"
-            raise InvalidRequestError(msg) from e
-    return os.environ.get("KVBOOST_STORE_SECRET") or None
-
-
-def _previous_secrets(args: argparse.Namespace) -> list[str]:
-    """Earlier store secrets from ``--store-previous-secret-file`` or ``$KVBOOST_STORE_PREVIOUS_SECRETS``."""
-    path = getattr(args, "store_previous_secret_file", None)
-    if path:
-        try:
-            text = Path(path).expanduser().read_text(encoding="utf-8")
-        except OSError as e:
-            msg = f"cannot read the previous store secrets file {path!r} ({e.strerror or e})"
-            raise InvalidRequestError(msg) from e
-        return [line.strip() for line in text.splitlines() if line.strip()]
-    listed = os.environ.get("KVBOOST_STORE_PREVIOUS_SECRETS", "")
-    return [s.strip() for s in listed.split(",") if s.strip()]
-
-
-def _store_secrets(args: argparse.Namespace) -> tuple[bytes, ...]:
-    """Every secret a store is read with, the signing one first (none: an unsigned store)."""
-    secret = _store_secret(args)
-    if secret is None:
-        if _previous_secrets(args):
-            raise InvalidRequestError(
-                "previous store secrets are read only next to the store secret that signs; set "
-                "KVBOOST_STORE_SECRET (or --store-secret-file) to the new secret"
-            )
-        return ()
-    return tuple(s.encode() for s in (secret, *_previous_secrets(args)))
-
-
 def _engine(args: argparse.Namespace, store_dir: str | None) -> Any:
     from .engine import KVBoostEngine
 
     overrides: dict[str, Any] = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
-    secret = _store_secret(args)
+    secret = store_secret(args)
     if secret is not None:
         overrides["store_secret"] = secret
-        overrides["store_previous_secrets"] = _previous_secrets(args)
+        overrides["store_previous_secrets"] = previous_secrets(args)
     for name in ("store_file_mode", "store_codec"):  # the commands that open a store take both
         if hasattr(args, name):
             overrides[name] = getattr(args, name)
@@ -158,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the user message (or raw prompt with --raw); '-' reads standard input")
     _add_model_args(gen)
     gen.add_argument("--store", default=None, help="KV store directory (default: memory only)")
-    _add_store_args(gen)
+    add_store_args(gen)
     _add_redis_args(gen)
     gen.add_argument("--system", default=None, help="system prompt")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
@@ -188,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model_args(pre)
     pre.add_argument("--store", default=_default_store(), help="KV store directory (default: %(default)s)")
-    _add_store_args(pre)
+    add_store_args(pre)
     _add_redis_args(pre)
     group = pre.add_mutually_exclusive_group()
     group.add_argument(
@@ -217,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ver = sub.add_parser("verify", help="check every entry; optionally recompute a sample bitwise")
     ver.add_argument("--store", default=_default_store())
-    _add_store_args(ver)
+    add_store_args(ver)
     ver.add_argument(
         "--sample", type=int, default=0, help="entries to recompute with --model and compare bitwise"
     )
@@ -230,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also drop intact entries signed otherwise than this process's store secret(s) sign",
     )
-    _add_store_args(gc)
+    add_store_args(gc)
     _add_model_args(gc)
 
     rep = sub.add_parser(
@@ -238,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
         help="rebuild damaged store databases from the entries that still check (stop other users first)",
     )
     rep.add_argument("--store", default=_default_store())
-    _add_store_args(rep)
+    add_store_args(rep)
 
     clear = sub.add_parser("clear", help="delete every entry and registered document")
     clear.add_argument("--store", default=_default_store())
@@ -256,7 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model_args(srv)
     srv.add_argument("--store", default=None, help="KV store directory (default: memory only)")
-    _add_store_args(srv)
+    add_store_args(srv)
     _add_redis_args(srv)
     srv.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)"
@@ -456,7 +378,7 @@ def _print_scan(report: VerifyReport) -> None:
 def _verify(args: argparse.Namespace) -> int:
     from .maintenance import recompute_sample, scan
 
-    disk = _open_disk(args.store, _store_secrets(args))
+    disk = _open_disk(args.store, store_secrets(args))
     try:
         report = scan(disk)
     finally:
@@ -495,7 +417,7 @@ def _repair(args: argparse.Namespace) -> int:
 
     if not Path(args.store).expanduser().is_dir():
         raise StoreError(f"no store at {args.store!r}; pass --store with the store's directory")
-    report = repair(args.store, secret=_store_secrets(args))
+    report = repair(args.store, secret=store_secrets(args))
     aside = ", ".join(report.set_aside) or "none"
     print(f"damaged databases set aside and rebuilt: {aside}")
     print(f"payload files stored again: {report.adopted} ({report.refused} failed their checks, removed)")
