@@ -223,17 +223,11 @@ class EngineConfig(BaseModel):
     prompt needs no forward pass at all before its first token."""
 
     @property
-    def store_secret_bytes(self) -> bytes | None:
-        """``store_secret`` as the key the tiers sign with."""
-        return None if self.store_secret is None else self.store_secret.get_secret_value().encode()
-
-    @property
     def store_secrets_bytes(self) -> tuple[bytes, ...]:
         """Every secret the tiers verify with, the one they sign with first (none: unsigned)."""
-        if self.store_secret_bytes is None:
+        if self.store_secret is None:
             return ()
-        previous = (s.get_secret_value().encode() for s in self.store_previous_secrets)
-        return (self.store_secret_bytes, *previous)
+        return tuple(s.get_secret_value().encode() for s in (self.store_secret, *self.store_previous_secrets))
 
     @model_validator(mode="after")
     def _previous_secrets_need_a_secret(self) -> EngineConfig:

@@ -45,14 +45,15 @@ class PrefixIndex:
         return self._count
 
     def add(self, parent: str, key: str, token_ids: Sequence[int]) -> None:
-        """Remember that chunk ``key`` with ``token_ids`` is stored after the prefix ``parent``."""
-        tokens = np.asarray(token_ids, dtype=np.uint32)
+        """Remember that chunk ``key`` with ``token_ids`` is stored after the prefix ``parent`` (called
+        for every chunk read or stored: a chunk known already costs a lookup, no conversion)."""
         with self._lock:
             children = self._children.setdefault(parent, {})
             self._children.move_to_end(parent)
-            if key not in children:
-                self._count += 1
-            children[key] = tokens
+            if key in children:  # same key, same tokens: keys chain over them
+                return
+            children[key] = np.asarray(token_ids, dtype=np.uint32)
+            self._count += 1
             while self._count > self.max_chunks and len(self._children) > 1:
                 _, forgotten = self._children.popitem(last=False)
                 self._count -= len(forgotten)

@@ -17,7 +17,10 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base import TierCounters
 
 
 class CircuitBreaker:
@@ -114,7 +117,7 @@ class ForeignEntries:
     MAX_KEYS = 1 << 16
     """Keys remembered (not to overwrite); the oldest are forgotten beyond it."""
 
-    def __init__(self, logger: logging.Logger, tier: str, counters: Any) -> None:
+    def __init__(self, logger: logging.Logger, tier: str, counters: TierCounters) -> None:
         self._logger, self._tier, self._counters = logger, tier, counters
         self._keys: OrderedDict[str, None] = OrderedDict()
         self._warned: set[str] = set()
