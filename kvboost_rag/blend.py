@@ -2,17 +2,18 @@
 
 Exact reuse serves a chunk only after the very prefix it was computed with, so
 in a RAG prompt it covers the first retrieved document at best. Blend reuse
-also serves a content chunk found under its *content key* (its tokens alone).
-Text is cut at paragraph breaks (:func:`~kvboost_rag.canonical.split_paragraphs`),
-so a passage has the same chunks wherever it follows a break:
+also serves document tokens wherever a prompt holds them: every stored document
+chunk is recorded under anchor keys of its tokens, and a prompt's runs of tokens
+equal to a stored chunk's are found by them (:mod:`.blend_match`), whatever text
+the framework pasted around each document and however the prompt's chunks fall:
 
-1. the exact prefix is reused or computed as usual (and stored: it is exact);
-2. from the first chunk that is found only by content, each such chunk's
-   stored KV is laid into the cache with its keys re-rotated to the positions
-   it now occupies (:mod:`.rope`);
+1. the exact prefix is reused or computed as usual (and stored: it is exact),
+   up to the first chunk that holds a found run;
+2. from there on, each run's stored KV is laid into the cache with its keys
+   re-rotated to the positions it now occupies (:mod:`.rope`);
 3. tokens whose KV must be fresh are recomputed in one forward pass over that
-   cache: everything that is not a reused document (template glue, the
-   question), the first ``boundary_tokens`` of each reused document, and the
+   cache: everything that is not a reused run (template glue, the question,
+   separators), the first ``boundary_tokens`` of each reused document, and the
    ``recompute_ratio`` of reused tokens whose KV deviates most, at
    ``select_layer``, from what full attention over this prompt gives
    (CacheBlend's selection). Each recomputed token attends to the reused KV of
@@ -29,16 +30,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
 from .assembler import Assembler
+from .blend_match import Run, anchor_keys, find_runs
 from .canonical import CanonicalPrompt
-from .keys import Chunk, content_key, group_spans
+from .keys import Chunk
 from .registry import DocumentRegistry, Source
 from .rope import RopeShifter
 from .runner import CacheFiller, PrefillOutcome
-from .store.base import KVStore
+from .store.base import Hit, KVStore
 
 
 @dataclass(frozen=True)
@@ -61,41 +64,32 @@ def content_chunks(prompt: CanonicalPrompt, chunks: Sequence[Chunk]) -> list[boo
     return [not any(s < c.end and c.start < e for s, e in spans) for c in chunks]
 
 
+def matchable_tokens(prompt: CanonicalPrompt) -> np.ndarray:
+    """Per token: whether it may be reused from a document (template glue never is)."""
+    out = np.ones(len(prompt), dtype=bool)
+    for seg, (start, end) in zip(prompt.segments, prompt.segment_spans, strict=True):
+        if seg.kind in ("glue", "closing"):
+            out[start:end] = False
+    return out
+
+
 def record_sources(
     registry: DocumentRegistry,
     namespace: str,
     token_ids: Sequence[int],
     chunks: Sequence[Chunk],
-    flags: Sequence[bool],
+    first_token: int = 0,
 ) -> None:
-    """Record where each document chunk (``flags``) is stored, so blend reuse can find it by content."""
+    """Record where the document tokens of ``chunks`` (those from ``first_token`` on) are stored,
+    under their anchor keys, so that blend reuse finds them in any prompt (:mod:`.blend_match`)."""
     registry.add_sources(
         {
-            content_key(namespace, token_ids[c.start : c.end]): Source(c.key, c.start)
-            for c, is_doc in zip(chunks, flags, strict=True)
-            if is_doc
+            key: Source(c.key, c.start)
+            for c in chunks
+            if c.end > first_token
+            for key in anchor_keys(namespace, token_ids[max(c.start, first_token) : c.end])
         }
     )
-
-
-def _reusable_kv(
-    chunk: Chunk,
-    token_ids: Sequence[int],
-    *,
-    store: KVStore,
-    registry: DocumentRegistry,
-    namespace: str,
-    shifter: RopeShifter,
-) -> torch.Tensor | None:
-    """Stored KV of this chunk's tokens, re-rotated to the chunk's positions, or None."""
-    tokens = tuple(token_ids[chunk.start : chunk.end])
-    source = registry.source(content_key(namespace, tokens))
-    if source is None or not shifter.can_move(source.start + len(tokens), chunk.end):
-        return None
-    hit = store.get(source.prefix_key)
-    if hit is None or hit.chunk.token_ids != tokens:  # evicted, or overwritten by another document
-        return None
-    return shifter.move(hit.chunk.kv, source.start, chunk.start)
 
 
 def blend_prefill(
@@ -118,69 +112,78 @@ def blend_prefill(
     prefill. Once ``stop`` is set, the prefill raises ``CancelledError`` at its next layer.
     """
     token_ids = prompt.token_ids
+    total = len(token_ids)
     is_doc = content_chunks(prompt, chunks)
-    last = len(chunks) - 1
     # room for the recomputed tokens' fresh KV
-    cache = assembler.new_cache(capacity + len(token_ids), stop=stop)
-    reused: dict[int, torch.Tensor] = {}
+    cache = assembler.new_cache(capacity + total, stop=stop)
+    hits: dict[str, Hit | None] = {}
+
+    def stored_tokens(key: str) -> Sequence[int] | None:
+        if key not in hits:
+            hits[key] = store.get(key)
+        hit = hits[key]
+        return None if hit is None else hit.chunk.token_ids
+
+    # Runs of stored document tokens, the last token left out: its logits are computed.
+    runs = [
+        run
+        for run in find_runs(
+            token_ids,
+            matchable_tokens(prompt),
+            0,
+            total - 1,
+            namespace=namespace,
+            lookup=registry.sources,
+            stored_tokens=stored_tokens,
+        )
+        if shifter.can_move(run.source.start + run.offset + run.end - run.start, run.end)
+    ]
 
     def record(first: int, end: int) -> None:  # computed passages are exact: blend may find them later
-        record_sources(registry, namespace, token_ids, chunks[first : end + 1], is_doc[first : end + 1])
+        documents = [
+            c for c, doc in zip(chunks[first : end + 1], is_doc[first : end + 1], strict=True) if doc
+        ]
+        record_sources(registry, namespace, token_ids, documents)
 
-    def reusable(i: int) -> bool:
-        if not is_doc[i] or i == last:
-            return False
-        kv = _reusable_kv(
-            chunks[i], token_ids, store=store, registry=registry, namespace=namespace, shifter=shifter
-        )
-        if kv is not None:
-            reused[i] = kv
-        return kv is not None
+    def holds_run(i: int) -> bool:
+        chunk = chunks[i]
+        return any(run.start < chunk.end and chunk.start < run.end for run in runs)
 
-    # 1. The exact prefix: hits, and misses with no reusable passage, computed and stored.
+    # 1. The exact prefix: hits, and misses before the first found run, computed and stored.
     filler = CacheFiller(assembler, token_ids, chunks, cache, store, step_tokens=None, on_computed=record)
-    logits, first_blend = filler.fill(store_last_logits=store_last_logits, until=reusable)
+    logits, first_blend = filler.fill(store_last_logits=store_last_logits, until=holds_run)
     cached, recomputed, stored = filler.cached, filler.recomputed, filler.stored
     if first_blend is None:
         assert logits is not None
         return PrefillOutcome(cache, logits, cached, recomputed, stored, filler.approx)
 
-    # 2. From the first reusable document on: reused KV (re-rotated), and the tokens to recompute:
-    # everything else, the boundary of each reused document, and the most deviating reused tokens.
-    start, total = chunks[first_blend].start, len(token_ids)
-    for i in range(first_blend + 1, last):
-        reusable(i)
+    # 2. From there on: the runs' KV (re-rotated), and the tokens to recompute: everything else,
+    # the boundary of each reused document, and the most deviating reused tokens.
+    start = chunks[first_blend].start
+    kept = _runs_from(runs, start)
+    reused = [(run.start, run.end, _moved(run, hits, shifter)) for run in kept]  # kv at its new place
     is_reused = torch.zeros(total, dtype=torch.bool)
-    for i in reused:
-        is_reused[chunks[i].start : chunks[i].end] = True
+    for run in kept:
+        is_reused[run.start : run.end] = True
     fresh = ~is_reused  # tokens to recompute
     fresh[:start] = False
-    for group_start, _ in group_spans(prompt):
-        if is_reused[group_start]:  # a reused document begins here
-            fresh[group_start : group_start + settings.boundary_tokens] = True
+    for i, run in enumerate(kept):
+        if i == 0 or not _continues(kept[i - 1], run):  # a reused document begins here
+            fresh[run.start : run.start + settings.boundary_tokens] = True
 
     t_select = time.perf_counter()
     budget = math.ceil(settings.recompute_ratio * int(is_reused.sum()))
     if budget:
-        _select_deviating(
-            assembler,
-            cache,
-            token_ids,
-            start,
-            {chunks[i]: kv for i, kv in reused.items()},
-            fresh,
-            budget,
-            settings.select_layer,
-        )
+        _select_deviating(assembler, cache, token_ids, start, reused, fresh, budget, settings.select_layer)
     select_s = time.perf_counter() - t_select
 
     # Lay the reused KV (placeholders elsewhere), then recompute the fresh tokens over it.
-    template = next(iter(reused.values()))
-    pieces = [
-        reused.get(i, template.new_zeros(*template.shape[:3], chunks[i].num_tokens, template.shape[4]))
-        for i in range(first_blend, len(chunks))
-    ]
-    assembler.append(cache, torch.cat(pieces, dim=3))  # [layers, 2, kv_heads, total - start, dim]
+    if reused:
+        template = reused[0][2]
+        laid = template.new_zeros(*template.shape[:3], total - start, template.shape[4])
+        for run_start, run_end, kv in reused:
+            laid[:, :, :, run_start - start : run_end - start] = kv
+        assembler.append(cache, laid)  # [layers, 2, kv_heads, total - start, dim]
     logits = _recompute(assembler, cache, token_ids, fresh)
     approx = int((is_reused & ~fresh).sum()) + filler.approx
     n_fresh = int(fresh.sum())
@@ -189,12 +192,36 @@ def blend_prefill(
     )
 
 
+def _runs_from(runs: Sequence[Run], start: int) -> list[Run]:
+    """The runs, or their parts, from prompt position ``start`` on (before it lies the exact prefix)."""
+    return [
+        Run(max(run.start, start), run.end, run.source, run.offset + max(start - run.start, 0))
+        for run in runs
+        if run.end > start
+    ]
+
+
+def _continues(before: Run, run: Run) -> bool:
+    """Whether ``run`` goes on where ``before`` ends, in the prompt and in the forward that stored them
+    (the next chunk of the same document)."""
+    stored_end = before.source.start + before.offset + before.end - before.start
+    return before.end == run.start and stored_end == run.source.start + run.offset
+
+
+def _moved(run: Run, hits: dict[str, Hit | None], shifter: RopeShifter) -> torch.Tensor:
+    """The run's stored KV ``[layers, 2, kv_heads, end - start, dim]``, keys moved to where it now stands."""
+    hit = hits[run.source.prefix_key]
+    assert hit is not None  # found runs were confirmed against their stored chunk
+    kv = hit.chunk.kv[:, :, :, run.offset : run.offset + run.end - run.start]
+    return shifter.move(kv, run.source.start + run.offset, run.start)
+
+
 def _select_deviating(
     assembler: Assembler,
     cache: Cache,
     token_ids: Sequence[int],
     start: int,
-    reused: dict[Chunk, torch.Tensor],
+    reused: Sequence[tuple[int, int, torch.Tensor]],
     fresh: torch.Tensor,
     budget: int,
     layer: int,
@@ -203,11 +230,11 @@ def _select_deviating(
     from what the layers below compute over this prompt (``cache`` holds the exact prefix up to ``start``)."""
     true_k, true_v = assembler.probe(cache, token_ids[start:], start, layer)  # [kv_heads, tokens, dim]
     deviation = torch.full((len(token_ids),), -1.0)
-    for c, kv_all in reused.items():
+    for run_start, run_end, kv_all in reused:
         kv = kv_all[layer].float()  # [2, kv_heads, tokens, dim]
-        k_true = true_k[:, c.start - start : c.end - start].float()
-        v_true = true_v[:, c.start - start : c.end - start].float()
-        deviation[c.start : c.end] = (
+        k_true = true_k[:, run_start - start : run_end - start].float()
+        v_true = true_v[:, run_start - start : run_end - start].float()
+        deviation[run_start:run_end] = (
             ((kv[0] - k_true) ** 2).sum((0, 2)) + ((kv[1] - v_true) ** 2).sum((0, 2))
         ).cpu()
     deviation[fresh] = -1.0  # recomputed anyway

@@ -34,6 +34,8 @@ from typing import NamedTuple, Protocol
 from .errors import DamagedStoreError
 
 ANCHOR_CHARS = 32
+LOOKUP_BATCH = 500
+"""Content keys per SQLite query (under SQLite's bound on query parameters)."""
 
 
 class Match(NamedTuple):
@@ -62,7 +64,9 @@ class SharedRecords(Protocol):
 
     def publish_sources(self, sources: Mapping[str, Source]) -> None: ...
 
-    def source(self, content_key: str) -> Source | None: ...
+    def sources(self, content_keys: Sequence[str]) -> dict[str, Source]:
+        """The recorded locations of those ``content_keys`` that are known (empty while away)."""
+        ...
 
 
 class DocumentRegistry:
@@ -154,19 +158,31 @@ class DocumentRegistry:
 
     def source(self, content_key: str) -> Source | None:
         """The stored location of a document chunk with this content key, if any process recorded one."""
+        return self.sources([content_key]).get(content_key)
+
+    def sources(self, content_keys: Sequence[str]) -> dict[str, Source]:
+        """The recorded locations of those ``content_keys`` that any process recorded (one query per
+        :data:`LOOKUP_BATCH` keys, and one remote call for the rest)."""
         with self._lock:
-            found = self._sources.get(content_key)
-            if found is None and self._con is not None:
-                row = self._con.execute(
-                    "SELECT prefix_key, start FROM sources WHERE content_key = ?", (content_key,)
-                ).fetchone()
-                if row is not None:
-                    found = self._sources[content_key] = Source(row[0], int(row[1]))
-        if found is None and self._shared is not None:
-            found = self._shared.source(content_key)  # outside the lock: a remote call
-            if found is not None:
+            found = {k: s for k in content_keys if (s := self._sources.get(k)) is not None}
+            missing = [k for k in content_keys if k not in found]
+            if self._con is not None:
+                for i in range(0, len(missing), LOOKUP_BATCH):
+                    batch = missing[i : i + LOOKUP_BATCH]
+                    rows = self._con.execute(
+                        "SELECT content_key, prefix_key, start FROM sources WHERE content_key IN"
+                        f" ({','.join('?' * len(batch))})",
+                        batch,
+                    ).fetchall()
+                    for key, prefix_key, start in rows:
+                        found[key] = self._sources[key] = Source(prefix_key, int(start))
+                missing = [k for k in missing if k not in found]
+        if missing and self._shared is not None:
+            remote = self._shared.sources(missing)  # outside the lock: a remote call
+            if remote:
                 with self._lock:
-                    self._sources[content_key] = found
+                    self._sources.update(remote)
+                found |= remote
         return found
 
     def find(self, text: str) -> list[Match]:

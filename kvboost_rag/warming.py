@@ -73,14 +73,13 @@ def prewarm(
             else:
                 out = core.prefill(canonical.token_ids, chunks, store=store, capacity=len(canonical))
                 report.computed_tokens += out.recomputed_tokens
-            # where blend reuse finds this document's chunks, whatever precedes it at query time
-            doc_start = token_offset(canonical, len(canonical.text) - len(doc))
+            # where blend reuse finds this document's tokens, whatever precedes it at query time
             record_sources(
                 core.registry,
                 salted(core.namespace, salt),
                 canonical.token_ids,
                 chunks,
-                [c.start >= doc_start for c in chunks],
+                first_token=token_at(core, canonical, len(canonical.text) - len(doc)),
             )
             if pin:
                 for chunk in chunks:
@@ -168,16 +167,22 @@ def reply_head(core: EngineCore, messages: Sequence[Mapping[str, Any]], reply: s
     return head
 
 
-def token_offset(prompt: CanonicalPrompt, char_offset: int) -> int:
-    """Token offset of the first segment that starts at ``char_offset`` of the prompt text or later.
-
-    A paragraph cut (:func:`~kvboost_rag.canonical.split_paragraphs`) leaves a break's newlines
-    with the paragraph after it, so a segment that starts with newlines just before counts too.
-    """
+def token_at(core: EngineCore, prompt: CanonicalPrompt, char_offset: int) -> int:
+    """The first token of ``prompt`` that lies wholly at ``char_offset`` of its text or after."""
     position = 0
-    for segment, (start, _) in zip(prompt.segments, prompt.segment_spans, strict=True):
-        lead = segment.text[: max(char_offset - position, 0)]
-        if lead.strip("\n") == "" and len(lead) < len(segment.text):
-            return start
-        position += len(segment.text)
+    for ids, (start, _), segment in zip(
+        prompt.segment_token_ids, prompt.segment_spans, prompt.segments, strict=True
+    ):
+        if position + len(segment.text) <= char_offset:
+            position += len(segment.text)
+            continue
+        wanted = char_offset - position  # characters of this segment before the offset
+        lo, hi = 0, len(ids)  # the fewest leading tokens whose text covers them (text grows with tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(core.canonicalizer.decode(ids[:mid])) >= wanted:
+                hi = mid
+            else:
+                lo = mid + 1
+        return start + lo
     return len(prompt)

@@ -4,6 +4,7 @@ refused where it cannot be exact."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -19,7 +20,9 @@ from kvboost_rag import (
 )
 from kvboost_rag.blend import BlendSettings, blend_prefill
 
-DOCS = [f"Document {i}: the quick brown fox jumps over the lazy dog {i * 7}. " * 3 for i in range(4)]
+WORDS = "alpha bravo charlie delta echo golf hotel india kilo lima oscar papa romeo tango victor zulu".split()
+DOCS = [f"Document {i}: " + " ".join(random.Random(i).choices(WORDS, k=30)) + "." for i in range(4)]
+"""Passages with little in common (blend finds a document by its tokens)."""
 PREFIX = "Context: "
 
 

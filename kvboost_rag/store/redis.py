@@ -310,18 +310,24 @@ class RedisStore(WriteBehindTier):
             self._op("registry write", partial(self._client.hset, self._keys.sources, mapping=mapping))
         )
 
-    def source(self, content_key: str) -> Source | None:
-        """The recorded location of a document chunk; None when unknown or while Redis is away."""
-        raw = self._attempt("registry read", lambda: self._client.hget(self._keys.sources, content_key), None)
-        if raw is None:
-            return None
-        try:
-            text = raw.decode("ascii") if isinstance(raw, (bytes, bytearray)) else str(raw)
-            start, prefix_key = text.split(":", 1)
-            return Source(prefix_key, int(start))
-        except (UnicodeDecodeError, ValueError, TypeError):
-            self._counters.add("corrupt")
-            return None
+    def sources(self, content_keys: Sequence[str]) -> dict[str, Source]:
+        """The recorded locations of document chunks, by content key (one call); the unknown ones are
+        absent, and all are while Redis is away."""
+        keys = list(content_keys)
+        if not keys:
+            return {}
+        raw = self._attempt("registry read", lambda: self._client.hmget(self._keys.sources, keys), None)
+        found: dict[str, Source] = {}
+        for key, value in zip(keys, raw or [], strict=False):
+            if value is None:
+                continue
+            try:
+                text = value.decode("ascii") if isinstance(value, (bytes, bytearray)) else str(value)
+                start, prefix_key = text.split(":", 1)
+                found[key] = Source(prefix_key, int(start))
+            except (UnicodeDecodeError, ValueError, TypeError):
+                self._counters.add("corrupt")
+        return found
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -58,6 +58,6 @@ class RedisRecords:
         if sources:
             self._store.add_sources(sources)
 
-    def source(self, content_key: str) -> Source | None:
-        """The stored location of a document chunk, if any process recorded one."""
-        return self._store.source(content_key)
+    def sources(self, content_keys: Sequence[str]) -> dict[str, Source]:
+        """The stored locations of document chunks that any process recorded."""
+        return self._store.sources(content_keys)

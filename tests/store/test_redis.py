@@ -286,7 +286,7 @@ def test_clear_empties_the_namespace_and_keeps_registry_records_and_other_namesp
     s = redis_stats(a)
     assert (s.entries, s.bytes, s.pinned, s.puts) == (0, 0, 0, 1)
     assert lookalike.contains(key(1)) and other.contains(key(1))
-    assert a.source("content") == Source(key(1), 0)  # the registry records stay
+    assert a.sources(["content"]) == {"content": Source(key(1), 0)}  # the registry records stay
     assert a.shared_records().new_documents() == [DOCUMENT]
     a.put(key(2), chunk(seed=2))
     assert a.get(key(2)) is not None and redis_stats(a).entries == 1
@@ -317,7 +317,8 @@ def test_write_backs_are_callables(store, monkeypatch):
     records.publish_sources({"content": Source(key(1), 0)})
     store.flush()
     assert len(queued) == 4 and all(callable(op) and not isinstance(op, tuple) for op in queued)
-    assert records.new_documents() == [DOCUMENT] and records.source("content") == Source(key(1), 0)
+    assert records.new_documents() == [DOCUMENT]
+    assert records.sources(["content"]) == {"content": Source(key(1), 0)}
 
 
 def test_options_are_one_object_and_single_fields_override_it(url):

@@ -140,7 +140,7 @@ def test_pin_remove_and_clear_across_the_nodes(cluster, ns, raw):
     s.clear()
     assert not any(s.contains(key(i)) for i in range(24))
     assert s.stats()["redis"].entries == 0
-    assert records.source("content") == Source(key(1), 0), "the registry records stay"
+    assert records.sources(["content"]) == {"content": Source(key(1), 0)}, "the registry records stay"
     assert len(open_store(cluster, ns).shared_records().new_documents()) == 1
     assert other.contains(key(1)), "another namespace is untouched"
     for store in (s, other):

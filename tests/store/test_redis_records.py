@@ -20,7 +20,7 @@ class FakeTier:
     def __init__(self) -> None:
         self.registry_refresh_s = 0.0
         self.documents: list[str] = []
-        self.sources: dict[str, Source] = {}
+        self.recorded: dict[str, Source] = {}
         self.away = False
         self.reads = 0
 
@@ -32,10 +32,10 @@ class FakeTier:
         return None if self.away else (len(self.documents[start:]), self.documents[start:])
 
     def add_sources(self, sources: Mapping[str, Source]) -> None:
-        self.sources.update(sources)
+        self.recorded.update(sources)
 
-    def source(self, content_key: str) -> Source | None:
-        return None if self.away else self.sources.get(content_key)
+    def sources(self, content_keys: Sequence[str]) -> dict[str, Source]:
+        return {} if self.away else {k: self.recorded[k] for k in content_keys if k in self.recorded}
 
 
 def test_documents_are_published_once_and_short_ones_never():
@@ -73,4 +73,4 @@ def test_sources_pass_through():
     records = RedisRecords(tier)  # type: ignore[arg-type]
     records.publish_sources({})
     records.publish_sources({"c1": Source("p1", 16)})
-    assert records.source("c1") == Source("p1", 16) and records.source("c2") is None
+    assert records.sources(["c1", "c2"]) == {"c1": Source("p1", 16)}

@@ -1,0 +1,64 @@
+"""Blend reuse finds every pre-warmed document whole, its last partial chunk included, wherever a
+framework's prompt template pastes it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helpers import tiny_model, tiny_tokenizer
+
+from kvboost_rag import EngineConfig, KVBoostEngine
+
+WORDS = "amber basil cedar dune ember fjord grove heath inlet jade knoll loam marsh".split()
+DOCS = [
+    f"Passage {i} says " + " ".join(random.Random(10 + i).choices(WORDS, k=40 + 9 * i)) + "."
+    for i in range(3)
+]
+QUESTION = "Which passage names the fjord?"
+SLACK_PER_DOC = 2
+"""Tokens at a document's edges that may tokenize differently in a template (a label's space before it)."""
+
+# The template shapes frameworks use: documents after paragraph breaks, after single newlines,
+# between LlamaIndex's separator lines (its default QA prompt), and after the question on a label's line.
+SHAPES = {
+    "paragraph break": "Context:\n\n{0}\n\n{1}\n\n{2}\n\nQuestion: {q}",
+    "single newline": "Context:\n{0}\n{1}\n{2}\nQuestion: {q}",
+    "separator line": (
+        "Context information is below.\n---------------------\n{0}\n\n{1}\n\n{2}\n---------------------\n"
+        "Given the context information and not prior knowledge, answer the query.\nQuery: {q}\nAnswer: "
+    ),
+    "question first": "Question: {q}\nContext: {0}\n\n{1}\n\n{2}\nAnswer:",
+}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = KVBoostEngine(
+        tiny_model("llama"),
+        tiny_tokenizer(),
+        config=EngineConfig(reuse="blend", blend_recompute_ratio=0.0, blend_boundary_tokens=0),
+    )
+    engine.prewarm(DOCS, prefix="Context:\n")
+    return engine
+
+
+def test_the_documents_end_in_partial_chunks(engine):
+    tails = [len(engine.canonicalizer.tokenize(d)) % engine.core.chunk_size for d in DOCS]
+    assert all(tail > 4 * SLACK_PER_DOC for tail in tails), tails  # a recomputed tail would show
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_every_document_token_is_reused_whatever_the_template(engine, shape):
+    text = SHAPES[shape].format(*DOCS, q=QUESTION)
+    r = engine.generate(text, max_new_tokens=2)
+    document_tokens = sum(len(engine.canonicalizer.tokenize(d)) for d in DOCS)
+    other_tokens = r.usage.prompt_tokens - document_tokens
+    # With no boundary and no selected recompute, only what is not a document is computed.
+    assert r.usage.recomputed_tokens <= other_tokens + SLACK_PER_DOC * len(DOCS), r.usage
+    assert r.usage.approx_tokens > 0
+
+
+def test_a_prompt_without_the_documents_blends_nothing(engine):
+    r = engine.generate(SHAPES["single newline"].format("a", "b", "c", q=QUESTION), max_new_tokens=2)
+    assert r.usage.approx_tokens == 0 and r.usage.recomputed_tokens == r.usage.prompt_tokens
