@@ -35,7 +35,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .assembler import Assembler
-from .blend_match import Run, anchor_keys, find_runs
+from .blend_match import ANCHOR_TOKENS, Run, anchor_keys, find_runs, recorded_windows
 from .canonical import CanonicalPrompt
 from .keys import Chunk
 from .registry import DocumentRegistry, Source
@@ -90,6 +90,34 @@ def record_sources(
             for key in anchor_keys(namespace, token_ids[max(c.start, first_token) : c.end])
         }
     )
+
+
+def unused_document_tokens(
+    prompt: CanonicalPrompt,
+    begin: int,
+    used: torch.Tensor | None,
+    *,
+    registry: DocumentRegistry,
+    namespace: str,
+) -> int:
+    """About how many prompt tokens from ``begin`` on lie in pre-warmed documents but were computed
+    again (``used``: per token, whether its KV came from the store; None: nothing after ``begin``
+    did), from the anchor windows recorded for them (:func:`~.blend_match.recorded_windows`; with
+    ``used``, the windows alone: the separators between used documents are not theirs)."""
+    if len(prompt) - begin < ANCHOR_TOKENS:
+        return 0
+    mask = recorded_windows(
+        prompt.token_ids,
+        matchable_tokens(prompt),
+        begin,
+        len(prompt),
+        namespace=namespace,
+        lookup=registry.sources,
+        fill_gaps=used is None,
+    )
+    if used is not None:
+        mask &= ~used.numpy()
+    return int(mask.sum())
 
 
 def blend_prefill(
@@ -155,7 +183,12 @@ def blend_prefill(
     cached, recomputed, stored = filler.cached, filler.recomputed, filler.stored
     if first_blend is None:
         assert logits is not None
-        return PrefillOutcome(cache, logits, cached, recomputed, stored, filler.approx)
+        unused = unused_document_tokens(
+            prompt, sum(cached.values()), None, registry=registry, namespace=namespace
+        )
+        return PrefillOutcome(
+            cache, logits, cached, recomputed, stored, filler.approx, unused_document_tokens=unused
+        )
 
     # 2. From there on: the runs' KV (re-rotated), and the tokens to recompute: everything else,
     # the boundary of each reused document, and the most deviating reused tokens.
@@ -187,8 +220,17 @@ def blend_prefill(
     logits = _recompute(assembler, cache, token_ids, fresh)
     approx = int((is_reused & ~fresh).sum()) + filler.approx
     n_fresh = int(fresh.sum())
+    unused = unused_document_tokens(prompt, start, is_reused, registry=registry, namespace=namespace)
     return PrefillOutcome(
-        cache, logits, cached, recomputed + n_fresh, stored, approx_tokens=approx, select_s=select_s
+        cache,
+        logits,
+        cached,
+        recomputed + n_fresh,
+        stored,
+        approx_tokens=approx,
+        select_s=select_s,
+        blended_tokens=int(is_reused.sum()),
+        unused_document_tokens=unused,
     )
 
 

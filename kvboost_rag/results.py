@@ -25,6 +25,14 @@ class Usage:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     approx_tokens: int = 0
     """Prompt tokens reused approximately (blend mode); 0 in exact mode."""
+    blended_tokens: int = 0
+    """Blend mode: prompt tokens whose stored KV was found and laid at their new position; the
+    ``approx_tokens`` of them kept it, the rest (each document's first tokens, the most deviating
+    share) were recomputed over it."""
+    unused_prewarmed_tokens: int = 0
+    """About how many prompt tokens lie in pre-warmed documents yet were computed again instead of
+    read: exact mode reads a document only right after the text it was pre-warmed after (blend
+    reads it anywhere), and a document whose KV was evicted is computed again in either mode."""
     recomputed_tokens: int = 0
     """Prompt tokens run through the model."""
     stored_tokens: int = 0
@@ -72,6 +80,8 @@ class GenerationResult:
             "cached_tokens": u.cached_tokens,
             "cached_tokens_by_tier": dict(u.cached_tokens_by_tier),
             "approx_tokens": u.approx_tokens,
+            "blended_tokens": u.blended_tokens,
+            "unused_prewarmed_tokens": u.unused_prewarmed_tokens,
             "recomputed_tokens": u.recomputed_tokens,
             "stored_tokens": u.stored_tokens,
             "drafted_tokens": u.drafted_tokens,

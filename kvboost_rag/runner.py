@@ -45,6 +45,10 @@ class PrefillOutcome:
     """Tokens whose KV was reused approximately (blend mode, or read from a lossy store codec)."""
     select_s: float = 0.0
     """Seconds spent choosing which reused tokens to recompute (blend mode)."""
+    blended_tokens: int = 0
+    """Tokens whose stored KV blend mode laid at a new position (``approx_tokens`` of them kept it)."""
+    unused_document_tokens: int = 0
+    """About how many tokens of pre-warmed documents were computed again instead of read."""
 
 
 def holding_writes(assembler: Assembler) -> AbstractContextManager[None]:

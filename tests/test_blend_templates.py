@@ -62,3 +62,31 @@ def test_every_document_token_is_reused_whatever_the_template(engine, shape):
 def test_a_prompt_without_the_documents_blends_nothing(engine):
     r = engine.generate(SHAPES["single newline"].format("a", "b", "c", q=QUESTION), max_new_tokens=2)
     assert r.usage.approx_tokens == 0 and r.usage.recomputed_tokens == r.usage.prompt_tokens
+
+
+def test_exact_mode_says_which_pre_warmed_tokens_it_left_unused(caplog):
+    engine = KVBoostEngine(tiny_model("llama"), tiny_tokenizer())
+    engine.prewarm(DOCS, prefix="Context:\n")
+    document_tokens = sum(len(engine.canonicalizer.tokenize(d)) for d in DOCS)
+    with caplog.at_level("WARNING", logger="kvboost_rag.generation"):
+        r = engine.generate(SHAPES["question first"].format(*DOCS, q=QUESTION), max_new_tokens=2)
+        again = engine.generate(SHAPES["question first"].format(*DOCS[::-1], q=QUESTION), max_new_tokens=2)
+    assert document_tokens * 0.6 <= r.usage.unused_prewarmed_tokens <= document_tokens  # an estimate
+    assert again.usage.unused_prewarmed_tokens > 0
+    [warning] = [rec.getMessage() for rec in caplog.records if "pre-warmed documents" in rec.getMessage()]
+    assert "reuse='blend'" in warning  # the why and the fix, once
+    assert r.reuse_report()["unused_prewarmed_tokens"] == r.usage.unused_prewarmed_tokens
+    read = engine.generate("Context:\n" + DOCS[1], max_new_tokens=2)  # the document as pre-warmed
+    assert read.usage.unused_prewarmed_tokens == 0
+
+
+def test_blend_reports_what_it_laid_and_what_was_gone(engine, caplog):
+    text = SHAPES["separator line"].format(*DOCS, q=QUESTION)
+    r = engine.generate(text, max_new_tokens=2)
+    assert r.usage.blended_tokens >= r.usage.approx_tokens > 0 and r.usage.unused_prewarmed_tokens == 0
+    fresh = KVBoostEngine(engine.model, engine.tokenizer, config=engine.config)
+    fresh.registry.add_sources(dict(engine.registry._sources))  # records of documents whose KV is gone
+    with caplog.at_level("WARNING", logger="kvboost_rag.generation"):
+        gone = fresh.generate(text, max_new_tokens=2)
+    assert gone.usage.blended_tokens == 0 and gone.usage.unused_prewarmed_tokens > 0
+    assert any("evicted or removed" in rec.getMessage() for rec in caplog.records)

@@ -23,6 +23,11 @@ class LLMCallUsage:
     recomputed_tokens: int
     ttft_s: float
     """From the call to the first generated token."""
+    blended_tokens: int = 0
+    """Blend mode: prompt tokens of pre-warmed nodes found and laid at their new position."""
+    unused_prewarmed_tokens: int = 0
+    """About how many prompt tokens of pre-warmed nodes were computed again instead of read (exact
+    mode reads only the node right after the template's opening; see the engine's warning)."""
 
 
 class _Total:
@@ -57,6 +62,8 @@ class KVBoostUsageHandler(BaseCallbackHandler):
     cached_tokens = _Total()
     approx_tokens = _Total()
     recomputed_tokens = _Total()
+    blended_tokens = _Total()
+    unused_prewarmed_tokens = _Total()
 
     def __init__(self) -> None:
         super().__init__(event_starts_to_ignore=[], event_ends_to_ignore=[])
@@ -99,6 +106,8 @@ class KVBoostUsageHandler(BaseCallbackHandler):
             approx_tokens=report["approx_tokens"],
             recomputed_tokens=report["recomputed_tokens"],
             ttft_s=report["ttft_s"],
+            blended_tokens=report["blended_tokens"],
+            unused_prewarmed_tokens=report["unused_prewarmed_tokens"],
         )
         with self._lock:
             self.calls.append(call)
