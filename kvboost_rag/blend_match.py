@@ -151,9 +151,8 @@ class _Matcher:
         stored = self.stored_tokens(run.source.prefix_key)
         return stored is not None and run.offset + run.end - run.start == len(stored)
 
-    def by_anchors(self, begin: int, end: int) -> list[Run]:
-        """Runs found from the content-defined windows of ``begin:end``: every hit extended as far as
-        its stored chunk agrees, then the longest kept first (:func:`_packed`)."""
+    def hits(self, begin: int, end: int) -> list[tuple[int, Source]]:
+        """The content-defined windows of ``begin:end`` that are recorded (one batch lookup), in order."""
         positions = [
             begin + int(o)
             for o in anchor_offsets(self.ids[begin:end])
@@ -161,13 +160,17 @@ class _Matcher:
         ]
         keys = {p: content_key(self.namespace, self.ids[p : p + ANCHOR_TOKENS]) for p in positions}
         found = self.lookup(sorted(set(keys.values()))) if keys else {}
+        return [(p, found[keys[p]]) for p in positions if keys[p] in found]
+
+    def by_anchors(self, begin: int, end: int) -> list[Run]:
+        """Runs found from the content-defined windows of ``begin:end``: every hit extended as far as
+        its stored chunk agrees, then the longest kept first (:func:`_packed`)."""
         candidates: list[Run] = []
-        for p in positions:
-            source = found.get(keys[p])
-            if source is None or any(
+        for p, source in self.hits(begin, end):
+            if any(
                 run.source == source and run.start <= p and p + ANCHOR_TOKENS <= run.end for run in candidates
             ):
-                continue  # unknown, or inside a run of the same chunk found already
+                continue  # inside a run of the same chunk found already
             run = self.confirm(p, ANCHOR_TOKENS, source, begin, end, at_start=False)
             if run is not None:
                 candidates.append(run)
@@ -263,19 +266,8 @@ def recorded_windows(
     hold a short separator between two documents. An estimate, for telling a user that
     documents went unused; :func:`find_runs` is the exact search."""
     mask = np.zeros(len(token_ids), dtype=bool)
-    ids = list(token_ids)
-    blocked = np.concatenate(([0], np.cumsum(~matchable)))
-    positions = [
-        begin + int(o)
-        for o in anchor_offsets(ids[begin:end])
-        if blocked[begin + int(o) + ANCHOR_TOKENS] == blocked[begin + int(o)]
-    ]
-    keys = {p: content_key(namespace, ids[p : p + ANCHOR_TOKENS]) for p in positions}
-    found = lookup(sorted(set(keys.values()))) if keys else {}
     last_end = None
-    for p in positions:
-        if keys[p] not in found:
-            continue
+    for p, _ in _Matcher(token_ids, matchable, namespace, lookup, lambda _: None).hits(begin, end):
         if fill_gaps and last_end is not None and 0 <= p - last_end <= FILLED_GAP_TOKENS:
             mask[last_end:p] = True
         mask[p : p + ANCHOR_TOKENS] = True
