@@ -58,6 +58,8 @@ WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
             str(RESULTS_DIR / "concurrency-quick.json"),
         ],
     ),
+    # LlamaIndex's default query engine and LangChain's retrieval chain over pre-warmed nodes
+    "rag_pipelines": (["rag_pipelines.py"], ["rag_pipelines.py", "--quick"]),
     # store codecs: entry size, disk-tier TTFT, and answers from lossy entries against exact mode
     "store_codecs": (["store_codecs.py"], ["store_codecs.py", "--quick"]),
     # one stream's decode: ms/token vs the weight-read floor, HF generate (+ prompt lookup), llama.cpp

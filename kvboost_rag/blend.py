@@ -297,6 +297,6 @@ def _recompute(
     mask = torch.cat((past, own), dim=1)[None, None].to(assembler.device)  # [1, 1, q, slots + q]
     device_positions = positions.to(assembler.device)[None]  # [1, q]
     ids = torch.tensor(token_ids, device=assembler.device)[device_positions]
-    logits = assembler.forward_rows(cache, ids, device_positions, mask)[0]
+    logits = assembler.forward_masked(cache, ids, device_positions, mask)
     assembler.settle(cache, device_positions[0])
     return logits

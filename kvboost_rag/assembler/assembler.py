@@ -17,6 +17,7 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicCache
 
 from .. import block_attention, chunk_attention
@@ -197,6 +198,42 @@ class Assembler:
             assert isinstance(cache, BufferedCache)  # padded rows only in invariant mode, over our caches
             cache.truncate(start + n)
         return out[:logit_rows] if out is not None else None
+
+    @torch.inference_mode()
+    def forward_masked(
+        self, cache: Cache, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Run one row of tokens at any ``positions`` over ``cache`` with an explicit ``mask`` (blend
+        mode's recompute); float32 logits ``[vocab]`` of the last token.
+
+        ``token_ids``/``positions``: ``[1, q]``; ``mask``: bool ``[1, 1, q, kv]`` (True: attend) over the
+        cache's slots and then the ``q`` new ones. Through the lean forward where it runs (its packed
+        products; the bits are not a prefill's, and need not be: the result is approximate anyway).
+        """
+        lean = self._lean_for(cache)
+        if lean is None:
+            return self.forward_rows(cache, token_ids, positions, mask)[0]
+
+        def masked(
+            module: torch.nn.Module,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            *_: Any,
+            **kw: Any,
+        ) -> tuple[torch.Tensor, None]:
+            allowed = F.pad(mask, (0, key.shape[2] - mask.shape[-1]))  # key blocks padded: never attended
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=allowed, scale=kw.get("scaling"), enable_gqa=True
+            )
+            return out.transpose(1, 2), None  # [1, q, heads, dim]
+
+        assert isinstance(cache, BufferedCache)  # _lean_for checked
+        keep = torch.tensor([token_ids.shape[1] - 1], device=self.device)
+        with self._forward_lock:
+            out = lean.forward(cache, token_ids, positions, masked, keep)
+        assert out is not None
+        return out[0]
 
     def _lean_for(self, cache: Cache) -> LeanForward | None:
         """The lean forward for a split-invariant call over ``cache`` (made at first use), or None."""
