@@ -198,9 +198,11 @@ class _Matcher:
             for p, bound in gaps:
                 for w in range(min(ANCHOR_TOKENS, bound - p), 0, -1):
                     source = found.get(keys.get((p, w), ""))
-                    run = None if source is None else self.confirm(p, w, source, p, bound, at_start=True)
-                    if run is not None:
-                        new.append(run)
+                    following = (
+                        None if source is None else self.confirm(p, w, source, p, bound, at_start=True)
+                    )
+                    if following is not None:
+                        new.append(following)
                         break
             if not new:
                 return runs

@@ -97,8 +97,10 @@ def test_query_reads_the_prewarmed_top_node_and_matches_the_uncached_answer(inde
     response = query_engine(index, model, similarity_top_k=2).query(QUESTION)
     top = response.source_nodes[0].node
     top_tokens = len(model.engine.canonicalizer.tokenize(top.get_content(MetadataMode.LLM)))
+    opening = len(model.engine.canonicalize(KVPrewarm(llm=model).prefix(), add_generation_prompt=False))
     [call] = usage.calls
-    assert call.cached_tokens > top_tokens  # the QA template's opening plus the whole top node
+    assert call.cached_tokens >= opening + top_tokens  # the QA template's opening and the whole top node
+    assert call.unused_prewarmed_tokens > 0  # the second node: exact mode reads one after the opening only
     assert call.recomputed_tokens + call.cached_tokens == call.prompt_tokens
     # TokenCountingHandler reads the engine's own counts, not a tiktoken estimate
     assert tokens.prompt_llm_token_count == call.prompt_tokens

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.documents import Document
 
 if TYPE_CHECKING:
-    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.prompts import BasePromptTemplate, ChatPromptTemplate
 
     from langchain_kvboost.chat_models import ChatKVBoost
 
@@ -41,16 +41,22 @@ def prewarm_documents(
     *,
     context_variable: str = "context",
     pin: bool = False,
+    document_prompt: BasePromptTemplate | None = None,
     **other_variables: Any,
 ) -> Any:
     """Pre-warm each document right after the exact text that precedes ``{context}`` in ``prompt``.
 
     The prompt is rendered into segments, exactly as :class:`ChatKVBoost` renders
     it at query time, with a marker in place of the context; the segments before
-    the marker are the prefix. A query whose context starts with one of these
+    the marker are the prefix. Each document is rendered as the chain renders it:
+    with ``document_prompt``, the one given to ``create_stuff_documents_chain``
+    (default ``"{page_content}"``). A query whose context starts with one of these
     documents then reads its KV from the store (under ``llm.cache_salt``: the documents
-    serve that tenant's requests). Returns the engine's ``PrewarmReport``.
+    serve that tenant's requests), and blend mode finds them anywhere in the context.
+    Returns the engine's ``PrewarmReport``.
     """
+    from langchain_core.prompts import format_document
+
     from kvboost_rag.canonical import segments_before
     from langchain_kvboost.messages import to_chat_messages
 
@@ -64,5 +70,8 @@ def prewarm_documents(
     engine = llm.engine
     segments = engine.canonicalizer.segments_of(to_chat_messages(prompt.format_messages(**variables)))
     prefix = segments_before(segments, _MARKER)
-    texts = [d.page_content for d in documents]
+    if document_prompt is None:
+        texts = [d.page_content for d in documents]
+    else:
+        texts = [format_document(d, document_prompt) for d in documents]
     return engine.prewarm(texts, prefix=prefix, pin=pin, cache_salt=llm.cache_salt)

@@ -32,11 +32,12 @@ class KVPrewarm(TransformComponent):
     into ``text_qa_template`` after a fixed opening (system prompt, "Context
     information is below..."). KVPrewarm renders that opening exactly as
     :class:`KVBoost` will at query time, stores the KV of ``opening + node text``
-    for every node, and registers the node text so that the LLM finds it inside
-    later prompts. A query whose context starts with a pre-warmed node reads its
-    KV from the store; other pre-warmed nodes are still cut out as their own
-    segments. Each node gets ``metadata["kvboost_key"]`` (excluded from LLM and
-    embedding text): the key of its stored KV.
+    for every node, and records the node's tokens so that blend mode finds them
+    anywhere in later prompts. A query whose context starts with a pre-warmed node
+    reads its KV from the store (exact mode); with ``reuse="blend"`` every retrieved
+    pre-warmed node is read, wherever the template puts it. Each node gets
+    ``metadata["kvboost_key"]`` (excluded from LLM and embedding text): the key of
+    its stored KV.
 
     Use it in an ``IngestionPipeline`` or ``VectorStoreIndex.from_documents(...,
     transformations=[...])``, after the node parser. When the pipeline's cache
