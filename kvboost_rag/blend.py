@@ -30,18 +30,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
 from .assembler import Assembler
-from .blend_match import ANCHOR_TOKENS, Run, anchor_keys, find_runs, recorded_windows
+from .blend_match import Run, anchor_keys, find_runs, matchable_tokens
 from .canonical import CanonicalPrompt
 from .keys import Chunk
 from .registry import DocumentRegistry, Source
 from .rope import RopeShifter
 from .runner import CacheFiller, PrefillOutcome
 from .store.base import Hit, KVStore
+from .unused_documents import unused_document_tokens
 
 
 @dataclass(frozen=True)
@@ -64,15 +64,6 @@ def content_chunks(prompt: CanonicalPrompt, chunks: Sequence[Chunk]) -> list[boo
     return [not any(s < c.end and c.start < e for s, e in spans) for c in chunks]
 
 
-def matchable_tokens(prompt: CanonicalPrompt) -> np.ndarray:
-    """Per token: whether it may be reused from a document (template glue never is)."""
-    out = np.ones(len(prompt), dtype=bool)
-    for seg, (start, end) in zip(prompt.segments, prompt.segment_spans, strict=True):
-        if seg.kind in ("glue", "closing"):
-            out[start:end] = False
-    return out
-
-
 def record_sources(
     registry: DocumentRegistry,
     namespace: str,
@@ -90,34 +81,6 @@ def record_sources(
             for key in anchor_keys(namespace, token_ids[max(c.start, first_token) : c.end])
         }
     )
-
-
-def unused_document_tokens(
-    prompt: CanonicalPrompt,
-    begin: int,
-    used: torch.Tensor | None,
-    *,
-    registry: DocumentRegistry,
-    namespace: str,
-) -> int:
-    """About how many prompt tokens from ``begin`` on lie in pre-warmed documents but were computed
-    again (``used``: per token, whether its KV came from the store; None: nothing after ``begin``
-    did), from the anchor windows recorded for them (:func:`~.blend_match.recorded_windows`; with
-    ``used``, the windows alone: the separators between used documents are not theirs)."""
-    if len(prompt) - begin < ANCHOR_TOKENS:
-        return 0
-    mask = recorded_windows(
-        prompt.token_ids,
-        matchable_tokens(prompt),
-        begin,
-        len(prompt),
-        namespace=namespace,
-        lookup=registry.sources,
-        fill_gaps=used is None,
-    )
-    if used is not None:
-        mask &= ~used.numpy()
-    return int(mask.sum())
 
 
 def blend_prefill(

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .canonical import CanonicalPrompt
 from .keys import content_key
 from .registry import Source
 
@@ -69,6 +70,15 @@ class Run(NamedTuple):
     end: int
     source: Source
     offset: int
+
+
+def matchable_tokens(prompt: CanonicalPrompt) -> np.ndarray:
+    """Per token: whether it may be reused from a document (template glue never is)."""
+    out = np.ones(len(prompt), dtype=bool)
+    for seg, (start, end) in zip(prompt.segments, prompt.segment_spans, strict=True):
+        if seg.kind in ("glue", "closing"):
+            out[start:end] = False
+    return out
 
 
 def anchor_offsets(ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -23,8 +23,7 @@ from transformers.cache_utils import Cache
 
 from .async_stream import END, Delivery
 from .batch import BatchRow, RowOutput, RunningBatch
-from .blend import blend_prefill, unused_document_tokens
-from .blend_match import ANCHOR_TOKENS
+from .blend import blend_prefill
 from .canonical import CanonicalPrompt, is_messages
 from .config import EngineConfig, ReuseMode
 from .core import EngineCore
@@ -36,23 +35,11 @@ from .results import FinishReason, GenerationResult, StreamChunk, Timings, Usage
 from .runner import PrefillOutcome, holding_writes
 from .scheduler import Arrivals, BatchFuture, Pending
 from .textstream import TextStream
+from .unused_documents import UnusedDocuments, unused_document_tokens
 from .warming import store_reply, store_reply_from_cache
 
 logger = logging.getLogger(__name__)
 
-UNUSED_ADVICE = {
-    "exact": (
-        "exact reuse reads a pre-warmed document only right after the text it was pre-warmed after (the "
-        "prompt template's opening); documents after the first one, or after text that changes per query "
-        "(a question placed first), are computed again. Pass reuse='blend' to reuse them wherever they "
-        "stand (approximate), or pre-warm with the template the queries use"
-    ),
-    "blend": (
-        "their stored KV was evicted or removed since they were pre-warmed: pre-warm them again, or give "
-        "the store more room (max_memory_bytes, max_disk_bytes)"
-    ),
-}
-"""Why pre-warmed documents go unused, per reuse mode, and what to do about it."""
 
 OnDelta = Callable[[str], None]
 """Takes each piece of a request's new text, on the thread that generates it."""
@@ -171,7 +158,7 @@ class Generation:
     def __init__(self, core: EngineCore, followups: FollowUps) -> None:
         self.core = core
         self.followups = followups
-        self._told_unused: set[str] = set()
+        self.unused = UnusedDocuments()
 
     def prepare(self, request: Request, submitted_at: float) -> Prepared:
         """Canonicalize a request and fit it to the context window (bad input raises here, before work)."""
@@ -466,7 +453,7 @@ class Generation:
                 reusable=chunked,
                 stop=cancel,
             )
-            if reuse and chunked and out.recomputed_tokens >= ANCHOR_TOKENS:
+            if reuse and chunked:
                 out.unused_document_tokens = unused_document_tokens(
                     canonical,
                     sum(out.cached_by_tier.values()),
@@ -474,19 +461,8 @@ class Generation:
                     registry=core.registry,
                     namespace=salted(core.namespace, prepared.request.cache_salt),
                 )
-        self._tell_unused(prepared.mode, out)
+        self.unused.tell(prepared.mode, out.unused_document_tokens)
         return out
-
-    def _tell_unused(self, mode: str, outcome: PrefillOutcome) -> None:
-        """Warn once per mode that a prompt left pre-warmed documents unused, and why."""
-        if outcome.unused_document_tokens and mode not in self._told_unused:
-            self._told_unused.add(mode)
-            logger.warning(
-                "about %d prompt tokens lie in pre-warmed documents but were computed again (reported in "
-                "usage.unused_prewarmed_tokens; this warning is given once): %s",
-                outcome.unused_document_tokens,
-                UNUSED_ADVICE.get(mode, UNUSED_ADVICE["blend"]),
-            )
 
 
 class DecodingBatch:

@@ -68,7 +68,7 @@ def test_exact_mode_says_which_pre_warmed_tokens_it_left_unused(caplog):
     engine = KVBoostEngine(tiny_model("llama"), tiny_tokenizer())
     engine.prewarm(DOCS, prefix="Context:\n")
     document_tokens = sum(len(engine.canonicalizer.tokenize(d)) for d in DOCS)
-    with caplog.at_level("WARNING", logger="kvboost_rag.generation"):
+    with caplog.at_level("WARNING", logger="kvboost_rag.unused_documents"):
         r = engine.generate(SHAPES["question first"].format(*DOCS, q=QUESTION), max_new_tokens=2)
         again = engine.generate(SHAPES["question first"].format(*DOCS[::-1], q=QUESTION), max_new_tokens=2)
     assert document_tokens * 0.6 <= r.usage.unused_prewarmed_tokens <= document_tokens  # an estimate
@@ -86,7 +86,7 @@ def test_blend_reports_what_it_laid_and_what_was_gone(engine, caplog):
     assert r.usage.blended_tokens >= r.usage.approx_tokens > 0 and r.usage.unused_prewarmed_tokens == 0
     fresh = KVBoostEngine(engine.model, engine.tokenizer, config=engine.config)
     fresh.registry.add_sources(dict(engine.registry._sources))  # records of documents whose KV is gone
-    with caplog.at_level("WARNING", logger="kvboost_rag.generation"):
+    with caplog.at_level("WARNING", logger="kvboost_rag.unused_documents"):
         gone = fresh.generate(text, max_new_tokens=2)
     assert gone.usage.blended_tokens == 0 and gone.usage.unused_prewarmed_tokens > 0
     assert any("evicted or removed" in rec.getMessage() for rec in caplog.records)
