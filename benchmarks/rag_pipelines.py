@@ -211,6 +211,7 @@ def llamaindex_config(
             store_dir=stores["blend"],
             reuse="blend",
             max_new_tokens=args.max_new_tokens,
+            blend_recompute_ratio=args.blend_ratio,
         ),
     }
     t0 = time.perf_counter()
@@ -320,7 +321,11 @@ def langchain_config(
             model=model, store_dir=stores["exact"], reuse="exact", max_tokens=args.max_new_tokens
         ),
         "blend": ChatKVBoost(
-            model=model, store_dir=stores["blend"], reuse="blend", max_tokens=args.max_new_tokens
+            model=model,
+            store_dir=stores["blend"],
+            reuse="blend",
+            max_tokens=args.max_new_tokens,
+            blend_recompute_ratio=args.blend_ratio,
         ),
     }
     t0 = time.perf_counter()
@@ -466,6 +471,9 @@ def main() -> None:
     )
     parser.add_argument("--langchain-prompts", nargs="+", default=list(LANGCHAIN_PROMPTS))
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument(
+        "--blend-ratio", type=float, default=None, help="blend_recompute_ratio (default: the engine's)"
+    )
     parser.add_argument("--quick", action="store_true", help="SmolLM2, nodes of 256, top 3, 3 questions")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
