@@ -105,6 +105,8 @@ def anchor_keys(namespace: str, ids: Sequence[int]) -> set[str]:
 
 
 class _Matcher:
+    """Finds the runs of one prompt's tokens that recorded document chunks hold."""
+
     def __init__(
         self,
         token_ids: Sequence[int],
