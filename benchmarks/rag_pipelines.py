@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,8 @@ FACTS = [
 CORPUS_CHARS = 40_000
 """About 9K SmolLM2 tokens of essays: ~35 nodes of 256 tokens, ~9 of 1024."""
 
+MODES = ("off", "exact", "blend", "reordered")
+"""``reordered``: reuse off with the retrieved nodes in reverse order (the model against itself)."""
 WARM_UP = {"question": "What should a startup do first?", "answer": ""}
 """Asked once per configuration before the questions, unrecorded: first calls pay one-time costs."""
 
@@ -163,6 +166,33 @@ def row_summary(rows: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     return out
 
 
+def ask_all(
+    questions: list[dict[str, str]],
+    ask: Callable[[str, str], tuple[dict[str, Any], int]],
+    opening_tokens: int,
+) -> list[dict[str, Any]]:
+    """Every question in every mode, side by side; ``ask(mode, question)`` gives the call's usage and
+    the node tokens in its prompt. A first, unrecorded question warms each engine up."""
+    rows = []
+    for k, q in enumerate([WARM_UP, *questions]):
+        row: dict[str, Any] = {"question": q["question"], "answer": q["answer"]}
+        for mode in MODES:
+            t = time.perf_counter()
+            record, node_tokens = ask(mode, q["question"])
+            record["end_to_end_s"] = time.perf_counter() - t
+            record["read_share"], record["node_read_share"] = shares(record, node_tokens, opening_tokens)
+            row[mode] = record
+        if k == 0:
+            continue
+        rows.append(row)
+        cells = (
+            f"{m}: {row[m]['ttft_s'] * 1000:.0f} ms {100 * row[m]['node_read_share']:.0f} %"
+            for m in MODES[:3]
+        )
+        print(f"  {q['question'][:40]}... " + " ".join(cells), flush=True)
+    return rows
+
+
 # -- LlamaIndex -------------------------------------------------------------------------------------
 
 
@@ -227,41 +257,25 @@ def llamaindex_config(
         llms["exact"].engine.canonicalize(KVPrewarm(llm=llms["exact"]).prefix(), add_generation_prompt=False)
     )
     tokenize = llms["exact"].engine.canonicalizer.tokenize
-    rows = []
-    for k, q in enumerate([WARM_UP, *questions]):  # the first run warms each engine up, unrecorded
-        row: dict[str, Any] = {"question": q["question"], "answer": q["answer"]}
-        for mode in ("off", "exact", "blend", "reordered"):
-            usage.reset()
-            t = time.perf_counter()
-            response = engines[mode].query(q["question"])
-            end_to_end = time.perf_counter() - t
-            [call] = usage.calls
-            node_tokens = sum(
-                len(tokenize(n.node.get_content(metadata_mode=MetadataMode.LLM).strip()))
-                for n in response.source_nodes
-            )
-            record = {
-                "prompt_tokens": call.prompt_tokens,
-                "cached_tokens": call.cached_tokens,
-                "blended_tokens": call.blended_tokens,
-                "unused_prewarmed_tokens": call.unused_prewarmed_tokens,
-                "ttft_s": call.ttft_s,
-                "end_to_end_s": end_to_end,
-                "text": str(response),
-            }
-            record["read_share"], record["node_read_share"] = shares(record, node_tokens, opening)
-            row[mode] = record
-        if k == 0:
-            continue
-        rows.append(row)
-        print(
-            f"  {q['question'][:40]}... "
-            + " ".join(
-                f"{m}: {row[m]['ttft_s'] * 1000:.0f} ms {100 * row[m]['node_read_share']:.0f} %"
-                for m in ("off", "exact", "blend")
-            ),
-            flush=True,
-        )
+
+    def ask(mode: str, question: str) -> tuple[dict[str, Any], int]:
+        usage.reset()
+        response = engines[mode].query(question)
+        [call] = usage.calls
+        nodes_read = [
+            n.node.get_content(metadata_mode=MetadataMode.LLM).strip() for n in response.source_nodes
+        ]
+        record = {
+            "prompt_tokens": call.prompt_tokens,
+            "cached_tokens": call.cached_tokens,
+            "blended_tokens": call.blended_tokens,
+            "unused_prewarmed_tokens": call.unused_prewarmed_tokens,
+            "ttft_s": call.ttft_s,
+            "text": str(response),
+        }
+        return record, sum(len(tokenize(t)) for t in nodes_read)
+
+    rows = ask_all(questions, ask, opening)
     return {"nodes": len(nodes), "prewarm_s": prewarm_s, "rows": rows}
 
 
@@ -280,24 +294,13 @@ def langchain_config(
     from langchain_classic.chains.combine_documents import create_stuff_documents_chain
     from langchain_core.callbacks import BaseCallbackHandler
     from langchain_core.documents import Document
-    from langchain_core.embeddings import Embeddings
     from langchain_core.prompts import ChatPromptTemplate
     from langchain_core.runnables import RunnableLambda
     from langchain_core.vectorstores import InMemoryVectorStore
-    from offline_embeddings import MiniLM
+    from langchain_rag import MiniLMEmbeddings  # examples/
 
     from kvboost_rag.canonical import segments_before
     from langchain_kvboost import ChatKVBoost, prewarm_documents
-
-    class Embed(Embeddings):
-        def __init__(self) -> None:
-            self.model = MiniLM()
-
-        def embed_documents(self, texts: list[str]) -> list[list[float]]:
-            return self.model.embed(texts)
-
-        def embed_query(self, text: str) -> list[float]:
-            return self.model.embed([text])[0]
 
     class Reports(BaseCallbackHandler):
         def __init__(self) -> None:
@@ -309,7 +312,7 @@ def langchain_config(
 
     prompt = ChatPromptTemplate.from_messages(LANGCHAIN_PROMPTS[prompt_shape])
     documents = [Document(page_content=t) for t in node_texts]
-    retriever = InMemoryVectorStore.from_documents(documents, Embed()).as_retriever(
+    retriever = InMemoryVectorStore.from_documents(documents, MiniLMEmbeddings()).as_retriever(
         search_kwargs={"k": top_k}
     )
     stores = {mode: tempfile.mkdtemp(prefix=f"kvboost-lc-{mode}-") for mode in ("exact", "blend")}
@@ -352,38 +355,22 @@ def langchain_config(
         marker,
     )
     opening = len(engine.canonicalize(opening_segments, add_generation_prompt=False))
-    rows = []
-    for k, q in enumerate([WARM_UP, *questions]):  # the first run warms each engine up, unrecorded
-        row: dict[str, Any] = {"question": q["question"], "answer": q["answer"]}
-        for mode in ("off", "exact", "blend", "reordered"):
-            reports = Reports()
-            t = time.perf_counter()
-            out = chains[mode].invoke({"input": q["question"]}, config={"callbacks": [reports]})
-            end_to_end = time.perf_counter() - t
-            [report] = reports.reports
-            node_tokens = sum(len(engine.canonicalizer.tokenize(d.page_content)) for d in out["context"])
-            record = {
-                "prompt_tokens": report["input_tokens"],
-                "cached_tokens": report["cached_tokens"],
-                "blended_tokens": report["blended_tokens"],
-                "unused_prewarmed_tokens": report["unused_prewarmed_tokens"],
-                "ttft_s": report["ttft_s"],
-                "end_to_end_s": end_to_end,
-                "text": out["answer"],
-            }
-            record["read_share"], record["node_read_share"] = shares(record, node_tokens, opening)
-            row[mode] = record
-        if k == 0:
-            continue
-        rows.append(row)
-        print(
-            f"  {q['question'][:40]}... "
-            + " ".join(
-                f"{m}: {row[m]['ttft_s'] * 1000:.0f} ms {100 * row[m]['node_read_share']:.0f} %"
-                for m in ("off", "exact", "blend")
-            ),
-            flush=True,
-        )
+
+    def ask(mode: str, question: str) -> tuple[dict[str, Any], int]:
+        reports = Reports()
+        out = chains[mode].invoke({"input": question}, config={"callbacks": [reports]})
+        [report] = reports.reports
+        record = {
+            "prompt_tokens": report["input_tokens"],
+            "cached_tokens": report["cached_tokens"],
+            "blended_tokens": report["blended_tokens"],
+            "unused_prewarmed_tokens": report["unused_prewarmed_tokens"],
+            "ttft_s": report["ttft_s"],
+            "text": out["answer"],
+        }
+        return record, sum(len(engine.canonicalizer.tokenize(d.page_content)) for d in out["context"])
+
+    rows = ask_all(questions, ask, opening)
     return {"nodes": len(node_texts), "prewarm_s": prewarm_s, "rows": rows}
 
 
@@ -423,7 +410,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
     return {
         "nodes": data["nodes"],
         "prewarm_s": data["prewarm_s"],
-        "modes": [row_summary(rows, mode) for mode in ("off", "exact", "blend", "reordered")],
+        "modes": [row_summary(rows, mode) for mode in MODES],
         "samples": rows,
     }
 
