@@ -156,6 +156,15 @@ class DocumentRegistry:
         if self._shared is not None:
             self._shared.publish_sources(sources)
 
+    def may_have_sources(self) -> bool:
+        """False only while no process can have recorded a source (a quick check, before a search)."""
+        if self._shared is not None or self._sources:
+            return True
+        if self._con is None:
+            return False
+        with self._lock:
+            return self._con.execute("SELECT 1 FROM sources LIMIT 1").fetchone() is not None
+
     def source(self, content_key: str) -> Source | None:
         """The stored location of a document chunk with this content key, if any process recorded one."""
         return self.sources([content_key]).get(content_key)

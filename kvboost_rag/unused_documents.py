@@ -47,7 +47,7 @@ def unused_document_tokens(
     again (``used``: per token, whether its KV came from the store; None: nothing after ``begin``
     did), from the anchor windows recorded for them (:func:`~.blend_match.recorded_windows`; with
     ``used``, the windows alone: the separators between used documents are not theirs)."""
-    if len(prompt) - begin < ANCHOR_TOKENS:
+    if len(prompt) - begin < ANCHOR_TOKENS or not registry.may_have_sources():
         return 0
     mask = recorded_windows(
         prompt.token_ids,

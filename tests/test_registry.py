@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvboost_rag.registry import ANCHOR_CHARS, DocumentRegistry, Match
+from kvboost_rag.registry import ANCHOR_CHARS, DocumentRegistry, Match, Source
 
 PARIS = "Paris is the capital of France. It lies on the Seine and has about two million people."
 ROME = "Rome is the capital of Italy. It was founded, legend says, by Romulus in 753 BC."
@@ -227,3 +227,11 @@ def test_close_is_idempotent(db):
     reg.register([PARIS])
     reg.close()
     reg.close()
+
+
+def test_may_have_sources_sees_records_of_another_process(tmp_path):
+    path = tmp_path / "registry.sqlite"
+    reader, writer = DocumentRegistry(path), DocumentRegistry(path)
+    assert not reader.may_have_sources() and not DocumentRegistry().may_have_sources()
+    writer.add_sources({"c": Source("p", 0)})
+    assert reader.may_have_sources() and writer.may_have_sources()
