@@ -31,6 +31,7 @@ reader takes from each reply), and TTFT speedup over reuse off, per question.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import re
@@ -166,6 +167,17 @@ def row_summary(rows: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     return out
 
 
+def llms_by_mode(make: Callable[..., Any], blend_ratio: float | None) -> dict[str, Any]:
+    """One framework LLM per mode: off and exact share a fresh store, blend has a fresh one of its own
+    (so exact runs never hand blend a whole prompt exactly)."""
+    stores = {mode: tempfile.mkdtemp(prefix=f"kvboost-bench-{mode}-") for mode in ("exact", "blend")}
+    return {
+        "off": make(store_dir=stores["exact"], reuse="off"),
+        "exact": make(store_dir=stores["exact"], reuse="exact"),
+        "blend": make(store_dir=stores["blend"], reuse="blend", blend_recompute_ratio=blend_ratio),
+    }
+
+
 def ask_all(
     questions: list[dict[str, str]],
     ask: Callable[[str, str], tuple[dict[str, Any], int]],
@@ -222,28 +234,9 @@ def llamaindex_config(
     splitter = SentenceSplitter(chunk_size=node_size, chunk_overlap=0)
     embed = MiniLMEmbedding()
     nodes = splitter.get_nodes_from_documents(docs)
-    stores = {mode: tempfile.mkdtemp(prefix=f"kvboost-rag-{mode}-") for mode in ("exact", "blend")}
-    llms = {
-        "off": KVBoost(
-            model=model,
-            store_dir=stores["exact"],
-            reuse="off",
-            max_new_tokens=args.max_new_tokens,
-        ),
-        "exact": KVBoost(
-            model=model,
-            store_dir=stores["exact"],
-            reuse="exact",
-            max_new_tokens=args.max_new_tokens,
-        ),
-        "blend": KVBoost(
-            model=model,
-            store_dir=stores["blend"],
-            reuse="blend",
-            max_new_tokens=args.max_new_tokens,
-            blend_recompute_ratio=args.blend_ratio,
-        ),
-    }
+    llms = llms_by_mode(
+        functools.partial(KVBoost, model=model, max_new_tokens=args.max_new_tokens), args.blend_ratio
+    )
     t0 = time.perf_counter()
     for mode in ("exact", "blend"):  # indexing time: each mode's store gets every node
         KVPrewarm(llm=llms[mode])(nodes)
@@ -315,22 +308,9 @@ def langchain_config(
     retriever = InMemoryVectorStore.from_documents(documents, MiniLMEmbeddings()).as_retriever(
         search_kwargs={"k": top_k}
     )
-    stores = {mode: tempfile.mkdtemp(prefix=f"kvboost-lc-{mode}-") for mode in ("exact", "blend")}
-    llms = {
-        "off": ChatKVBoost(
-            model=model, store_dir=stores["exact"], reuse="off", max_tokens=args.max_new_tokens
-        ),
-        "exact": ChatKVBoost(
-            model=model, store_dir=stores["exact"], reuse="exact", max_tokens=args.max_new_tokens
-        ),
-        "blend": ChatKVBoost(
-            model=model,
-            store_dir=stores["blend"],
-            reuse="blend",
-            max_tokens=args.max_new_tokens,
-            blend_recompute_ratio=args.blend_ratio,
-        ),
-    }
+    llms = llms_by_mode(
+        functools.partial(ChatKVBoost, model=model, max_tokens=args.max_new_tokens), args.blend_ratio
+    )
     t0 = time.perf_counter()
     for mode in ("exact", "blend"):
         prewarm_documents(llms[mode], documents, prompt, context_variable="context")

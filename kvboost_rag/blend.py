@@ -34,7 +34,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .assembler import Assembler
-from .blend_match import Run, anchor_keys, find_runs, matchable_tokens
+from .blend_match import Run, anchor_keys, find_runs, matchable_tokens, remembered
 from .canonical import CanonicalPrompt
 from .keys import Chunk
 from .registry import DocumentRegistry, Source
@@ -115,6 +115,7 @@ def blend_prefill(
         hit = hits[key]
         return None if hit is None else hit.chunk.token_ids
 
+    lookup = remembered(registry.sources)  # the search and the unused count ask the same keys
     # Runs of stored document tokens, the last token left out: its logits are computed.
     runs = [
         run
@@ -124,7 +125,7 @@ def blend_prefill(
             0,
             total - 1,
             namespace=namespace,
-            lookup=registry.sources,
+            lookup=lookup,
             stored_tokens=stored_tokens,
         )
         if shifter.can_move(run.source.start + run.offset + run.end - run.start, run.end)
@@ -147,7 +148,7 @@ def blend_prefill(
     if first_blend is None:
         assert logits is not None
         unused = unused_document_tokens(
-            prompt, sum(cached.values()), None, registry=registry, namespace=namespace
+            prompt, sum(cached.values()), None, registry=registry, namespace=namespace, lookup=lookup
         )
         return PrefillOutcome(
             cache, logits, cached, recomputed, stored, filler.approx, unused_document_tokens=unused
@@ -183,7 +184,9 @@ def blend_prefill(
     logits = _recompute(assembler, cache, token_ids, fresh)
     approx = int((is_reused & ~fresh).sum()) + filler.approx
     n_fresh = int(fresh.sum())
-    unused = unused_document_tokens(prompt, start, is_reused, registry=registry, namespace=namespace)
+    unused = unused_document_tokens(
+        prompt, start, is_reused, registry=registry, namespace=namespace, lookup=lookup
+    )
     return PrefillOutcome(
         cache,
         logits,

@@ -63,6 +63,10 @@ _MIX = np.array(
 )
 
 
+Lookup = Callable[[list[str]], Mapping[str, Source]]
+"""Anchor keys -> where they were recorded (absent: unknown)."""
+
+
 class Run(NamedTuple):
     """Prompt tokens ``start:end`` equal to the tokens ``offset:offset + (end - start)`` of a stored chunk."""
 
@@ -112,7 +116,7 @@ class _Matcher:
         token_ids: Sequence[int],
         matchable: np.ndarray,
         namespace: str,
-        lookup: Callable[[list[str]], Mapping[str, Source]],
+        lookup: Lookup,
         stored_tokens: Callable[[str], Sequence[int] | None],
     ) -> None:
         self.ids = list(token_ids)
@@ -242,6 +246,20 @@ def _packed(candidates: Sequence[Run]) -> list[Run]:
     return sorted(out)
 
 
+def remembered(lookup: Lookup) -> Lookup:
+    """``lookup`` asked each key once: one request's searches share its answers, absent keys included."""
+    known: dict[str, Source | None] = {}
+
+    def ask(keys: list[str]) -> dict[str, Source]:
+        missing = [k for k in keys if k not in known]
+        if missing:
+            found = lookup(missing)
+            known.update({k: found.get(k) for k in missing})
+        return {k: s for k in keys if (s := known[k]) is not None}
+
+    return ask
+
+
 def find_runs(
     token_ids: Sequence[int],
     matchable: np.ndarray,
@@ -249,7 +267,7 @@ def find_runs(
     end: int,
     *,
     namespace: str,
-    lookup: Callable[[list[str]], Mapping[str, Source]],
+    lookup: Lookup,
     stored_tokens: Callable[[str], Sequence[int] | None],
 ) -> list[Run]:
     """Non-overlapping runs of ``token_ids[begin:end]`` held by recorded document chunks, in order.
@@ -271,7 +289,7 @@ def recorded_windows(
     end: int,
     *,
     namespace: str,
-    lookup: Callable[[list[str]], Mapping[str, Source]],
+    lookup: Lookup,
     fill_gaps: bool = True,
 ) -> np.ndarray:
     """Per token of ``token_ids``: whether it lies in ``begin:end`` within pre-warmed document text,

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from .blend_match import ANCHOR_TOKENS, matchable_tokens, recorded_windows
+from .blend_match import ANCHOR_TOKENS, Lookup, matchable_tokens, recorded_windows
 from .canonical import CanonicalPrompt
 from .registry import DocumentRegistry
 
@@ -42,11 +42,13 @@ def unused_document_tokens(
     *,
     registry: DocumentRegistry,
     namespace: str,
+    lookup: Lookup | None = None,
 ) -> int:
     """About how many prompt tokens from ``begin`` on lie in pre-warmed documents but were computed
     again (``used``: per token, whether its KV came from the store; None: nothing after ``begin``
     did), from the anchor windows recorded for them (:func:`~.blend_match.recorded_windows`; with
-    ``used``, the windows alone: the separators between used documents are not theirs)."""
+    ``used``, the windows alone: the separators between used documents are not theirs). ``lookup``:
+    the registry's, as a search of the same request already asked it (:func:`~.blend_match.remembered`)."""
     if len(prompt) - begin < ANCHOR_TOKENS or not registry.may_have_sources():
         return 0
     mask = recorded_windows(
@@ -55,7 +57,7 @@ def unused_document_tokens(
         begin,
         len(prompt),
         namespace=namespace,
-        lookup=registry.sources,
+        lookup=lookup or registry.sources,
         fill_gaps=used is None,
     )
     if used is not None:

@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from kvboost_rag.blend_match import ANCHOR_TOKENS, anchor_keys, anchor_offsets, find_runs
+from kvboost_rag.blend_match import ANCHOR_TOKENS, anchor_keys, anchor_offsets, find_runs, remembered
 from kvboost_rag.registry import Source
 
 NS = "00" * 32
@@ -89,3 +89,16 @@ def test_unmatchable_tokens_split_runs():
     ok[32] = False  # template glue in the middle
     runs = recorded.runs(doc, ok)
     assert all(not (s <= 32 < e) for s, e, _, _ in runs) and sum(e - s for s, e, _, _ in runs) >= 40
+
+
+def test_a_remembered_lookup_asks_each_key_once():
+    asked: list[list[str]] = []
+
+    def lookup(keys: list[str]) -> dict[str, Source]:
+        asked.append(keys)
+        return {k: Source("p", 0) for k in keys if k.startswith("known")}
+
+    ask = remembered(lookup)
+    assert ask(["known1", "gone"]) == {"known1": Source("p", 0)}
+    assert ask(["gone", "known1", "known2"]) == {"known1": Source("p", 0), "known2": Source("p", 0)}
+    assert asked == [["known1", "gone"], ["known2"]]  # absent keys are remembered too

@@ -90,3 +90,12 @@ def test_blend_reports_what_it_laid_and_what_was_gone(engine, caplog):
         gone = fresh.generate(text, max_new_tokens=2)
     assert gone.usage.blended_tokens == 0 and gone.usage.unused_prewarmed_tokens > 0
     assert any("evicted or removed" in rec.getMessage() for rec in caplog.records)
+
+
+def test_another_tenant_learns_nothing_from_the_unused_count():
+    engine = KVBoostEngine(tiny_model("llama"), tiny_tokenizer())
+    engine.prewarm(DOCS, prefix="Context:\n", cache_salt="tenant-a")
+    text = SHAPES["question first"].format(*DOCS, q=QUESTION)
+    assert engine.generate(text, max_new_tokens=1, cache_salt="tenant-a").usage.unused_prewarmed_tokens > 0
+    assert engine.generate(text, max_new_tokens=1, cache_salt="tenant-b").usage.unused_prewarmed_tokens == 0
+    assert engine.generate(text, max_new_tokens=1).usage.unused_prewarmed_tokens == 0
