@@ -138,14 +138,19 @@ def read_bandwidth(dtype: torch.dtype, *, packed: bool, reps: int = 20) -> float
             return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
         return F.linear(x, weight)
 
-    for _ in range(3):
-        product()
+    return weight.numel() * weight.element_size() / median_time_s(product, reps, warmup=3)
+
+
+def median_time_s(fn: Callable[[], object], reps: int, *, warmup: int = 1) -> float:
+    """Median seconds of ``reps`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        product()
+        fn()
         times.append(time.perf_counter() - t0)
-    return weight.numel() * weight.element_size() / statistics.median(times)
+    return statistics.median(times)
 
 
 def step_weight_bytes(model: Any) -> int:

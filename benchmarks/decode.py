@@ -43,6 +43,7 @@ from chat_replay import sharegpt_records  # noqa: E402
 from common import (  # noqa: E402
     RESULTS_DIR,
     essay_text,
+    median_time_s,
     summary,
     text_of_tokens,
     weight_read_floor,
@@ -50,7 +51,8 @@ from common import (  # noqa: E402
 )
 from peers import LlamaCppPeer, llama_cpp_available, prefill_cache  # noqa: E402
 
-from kvboost_rag import EngineConfig, KVBoostEngine  # noqa: E402
+from kvboost_rag import EngineConfig, KVBoostEngine, block_attention  # noqa: E402
+from kvboost_rag.assembler.lean_forward import lean_forward_of  # noqa: E402
 from kvboost_rag.models import load_model  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -204,6 +206,56 @@ def llama_cpp(peer: LlamaCppPeer, ids: list[int], new_tokens: int, eos: int) -> 
     return {"ttft_s": first - t0, "decode_ms": 1000 * (end - first) / (len(times) - 1), "total_s": end - t0}
 
 
+# -- what an exact step cannot go below -------------------------------------------------------
+
+
+def exact_step_bound(model: Any, context_tokens: int, reps: int = 15) -> dict[str, float]:
+    """The two parts of one exact decode step that no work around them can remove, each timed alone
+    (median ms of ``reps``): the lean forward's products for the step's ``ROW_MULTIPLE`` rows (every
+    layer, then the LM head) and the split-invariant attention of every layer at ``context_tokens``
+    (the flash calls prefill makes too, so a step cannot use cheaper ones and keep its bits).
+
+    Both run back to back on warm caches, with no norm, RoPE, cache write or Python between them:
+    a lower bound of the step, not an estimate."""
+    lean = lean_forward_of(model)
+    layers = lean._layers  # the packed products the engine runs
+    dtype = next(model.parameters()).dtype
+    rows = block_attention.ROW_MULTIPLE
+    first = layers[0]
+    hidden = torch.randn(1, rows, first.heads * first.head_dim, dtype=dtype)
+    inner = torch.randn(1, rows, first.down.weights[0].shape[1], dtype=dtype)
+    keys = block_attention.round_up(context_tokens + 1, block_attention.KEY_BLOCK)
+    kv = [
+        (
+            torch.randn(1, L.kv_heads, keys, L.head_dim, dtype=dtype),
+            torch.randn(1, L.kv_heads, keys, L.head_dim, dtype=dtype),
+        )
+        for L in layers
+    ]
+    query = torch.randn(1, first.heads, rows, first.head_dim, dtype=dtype)
+
+    def products() -> None:
+        for L in layers:
+            L.qkv.fused(hidden), L.o_proj.fused(hidden), L.gate_up.fused(hidden), L.down.fused(inner)
+        lean._head.fused(hidden)
+
+    def attention() -> None:
+        with block_attention.queries_at(
+            context_tokens, rows, first.heads // first.kv_heads, dtype, query.device, real=1
+        ):
+            for L, (k, v) in zip(layers, kv, strict=True):
+                block_attention.block_causal_attention(
+                    L.attention_module, query, k, v, None, dropout=0.0, scaling=L.scaling
+                )
+
+    with torch.inference_mode():
+        parts = {
+            "products_ms": 1000 * median_time_s(products, reps),
+            "attention_ms": 1000 * median_time_s(attention, reps),
+        }
+    return {**parts, "ms": parts["products_ms"] + parts["attention_ms"]}
+
+
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -258,14 +310,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 order = list(methods)
                 order = order[k % len(order) :] + order[: k % len(order)]
                 # the floor measured again beside each prompt's methods: the same memory state and noise
-                row: dict[str, Any] = {"prompt_tokens": len(ids), "floor": weight_read_floor(model)}
+                row: dict[str, Any] = {
+                    "prompt_tokens": len(ids),
+                    "floor": weight_read_floor(model),
+                    "step_bound": exact_step_bound(model, len(ids)),
+                }
                 for name in order:
                     row[name] = methods[name]()
                 rows.append(row)
                 print(
                     f"{workload} {length}: prompt {k + 1} ({len(ids)} tokens): "
                     + ", ".join(f"{n} {row[n]['decode_ms']:.1f}" for n in methods)
-                    + " ms/token",
+                    + f" ms/token; exact step's products + attention alone {row['step_bound']['ms']:.1f} ms"
+                    + f" (floor {row['floor']['ms_per_token']:.1f})",
                     flush=True,
                 )
             cells.append(summarize(workload, length, rows))
@@ -284,6 +341,11 @@ def summarize(workload: str, length: int, rows: list[dict[str, Any]]) -> dict[st
         "ttft_s": {m: summary([r[m]["ttft_s"] for r in rows]) for m in present},
         "end_to_end_s": {m: summary([r[m]["total_s"] for r in rows]) for m in present},
         "floor_ms": summary([r["floor"]["ms_per_token"] for r in rows]),
+        "step_bound_ms": {
+            part: summary([r["step_bound"][part] for r in rows])
+            for part in ("products_ms", "attention_ms", "ms")
+        },
+        "step_bound_ratio": summary([r["step_bound"]["ms"] / r["floor"]["ms_per_token"] for r in rows]),
         "floor_ratio": {
             m: summary([r[m]["decode_ms"] / r["floor"]["ms_per_token"] for r in rows]) for m in present
         },
@@ -370,7 +432,8 @@ def main() -> None:
         print(
             f"{cell['workload']} {cell['context_tokens']}: "
             + ", ".join(f"{m} {ms[m]['median']:.1f}" for m in ms)
-            + f" ms/token; kvboost/floor {cell['floor_ratio']['kvboost']['median']:.2f}x; "
+            + f" ms/token; kvboost/floor {cell['floor_ratio']['kvboost']['median']:.2f}x "
+            f"(products + attention alone {cell['step_bound_ratio']['median']:.2f}x); "
             f"speculative over HF generate {over_hf:.2f}x, over prompt lookup {over_lookup:.2f}x; "
             f"acceptance {100 * cell['acceptance']:.0f} %"
         )

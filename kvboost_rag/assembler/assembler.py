@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from .. import block_attention, chunk_attention
 from .buffered_cache import BufferedCache, buffered_layers, kv_layers
-from .lean_forward import KERNEL_TAG, LeanForward, lean_forward_of
+from .lean_forward import LeanForward, kernel_tag, lean_forward_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
@@ -78,6 +78,7 @@ class Assembler:
         self._transposed: dict[torch.nn.Linear, torch.Tensor] = {}  # [in, out] copies, made on first use
         self._lean_wanted = lean_forward and LeanForward.supports(model) is None
         self._lean: LeanForward | None = None  # made at the first split-invariant forward (packs weights)
+        self._lean_tag = kernel_tag(model) if self._lean_wanted else ""
 
     @property
     def attention_kernel(self) -> str:
@@ -86,7 +87,7 @@ class Assembler:
             # every LM head product of these forwards runs a multiple of ROW_MULTIPLE rows (see forward)
             rows = block_attention.ROW_MULTIPLE
             kernel = f"{self._block_attention}-{block_attention.ARITHMETIC_TAG}-rows{rows}-head{rows}"
-            return f"{kernel}-{KERNEL_TAG}" if self._lean_wanted else kernel
+            return f"{kernel}-{self._lean_tag}" if self._lean_wanted else kernel
         return self._chunk_attention or str(getattr(self.model.config, "_attn_implementation", ""))
 
     @property

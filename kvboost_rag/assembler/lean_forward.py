@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from .buffered_cache import BufferedCache, buffered_layers
+from .native_glue import Glue, RMSNorm, TorchGlue, glue_for
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -45,7 +46,8 @@ if TYPE_CHECKING:
     from ..chunk_attention import AttentionFunction
 
 KERNEL_TAG = "lean1"
-"""Names this forward in the store namespace; bump it whenever its arithmetic changes."""
+"""Names this forward in the store namespace (with :func:`kernel_tag`'s glue); bump it whenever its
+arithmetic changes."""
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 """Model types whose decoder layers are pre-norm RMSNorm + RoPE attention + SiLU-gated MLP."""
@@ -94,27 +96,13 @@ class _Projections:
 
 
 @dataclass(frozen=True)
-class _Norm:
-    weight: torch.Tensor
-    eps: float
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm as the model's module computes it (in float32, scaled in the input dtype)."""
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.eps)
-        return self.weight * h.to(dtype)
-
-
-@dataclass(frozen=True)
 class _Layer:
     attention_module: torch.nn.Module
     """The model's own attention module (attention functions read ``layer_idx`` from it)."""
-    input_norm: _Norm
+    input_norm: RMSNorm
     qkv: _Projections
     o_proj: _Projections
-    post_norm: _Norm
+    post_norm: RMSNorm
     gate_up: _Projections
     down: _Projections
     act: Callable[[torch.Tensor], torch.Tensor]
@@ -122,11 +110,6 @@ class _Layer:
     kv_heads: int
     head_dim: int
     scaling: float
-
-
-def _swap_halves(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
 
 
 class LeanForward:
@@ -137,7 +120,9 @@ class LeanForward:
         text = model.config.get_text_config(decoder=True)
         self._embed: Callable[[torch.Tensor], torch.Tensor] = base.embed_tokens
         self._rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] = base.rotary_emb
-        self._norm = _Norm(base.norm.weight.detach(), base.norm.variance_epsilon)
+        self._norm = RMSNorm(base.norm.weight.detach(), base.norm.variance_epsilon)
+        self.glue = glue_of(model)
+        """The work between the products: compiled where it can be (see :mod:`.native_glue`)."""
         self._head = _Projections([model.get_output_embeddings()])
         self._layers = []
         for layer in base.layers:
@@ -145,12 +130,12 @@ class LeanForward:
             self._layers.append(
                 _Layer(
                     attention_module=attn,
-                    input_norm=_Norm(
+                    input_norm=RMSNorm(
                         layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
                     ),
                     qkv=_Projections([attn.q_proj, attn.k_proj, attn.v_proj]),
                     o_proj=_Projections([attn.o_proj]),
-                    post_norm=_Norm(
+                    post_norm=RMSNorm(
                         layer.post_attention_layernorm.weight.detach(),
                         layer.post_attention_layernorm.variance_epsilon,
                     ),
@@ -209,31 +194,51 @@ class LeanForward:
         cos, sin = self._rotary(hidden, positions)  # [1, rows, head_dim]
         half = sin.shape[-1] // 2
         # rotate_half(x) * sin == swap_halves(x) * sin with its first half negated (bit for bit)
-        cos, sin = cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         rows = ids.shape[1]
-        for layer, cache_layer in zip(self._layers, buffered_layers(cache), strict=True):
-            residual = hidden
-            heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
-            qkv = layer.qkv.fused(layer.input_norm(hidden))  # [1, rows, (heads + 2 * kv_heads) * dim]
-            # queries and keys rotated in one pass: [1, heads + kv_heads, rows, dim]
-            qk = qkv[..., : (heads + kv_heads) * dim].view(1, rows, heads + kv_heads, dim).transpose(1, 2)
-            qk = (qk * cos) + (_swap_halves(qk) * sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[..., (heads + kv_heads) * dim :].view(1, rows, kv_heads, dim).transpose(1, 2)
+        glue = self.glue
+        # each layer's input norm is taken with the residual add that ends the layer before it
+        normed = glue.norm(hidden, self._layers[0].input_norm)
+        last = len(self._layers) - 1
+        for index, (layer, cache_layer) in enumerate(zip(self._layers, buffered_layers(cache), strict=True)):
+            qkv = layer.qkv.fused(normed)  # [1, rows, (heads + 2 * kv_heads) * dim]
+            q, k, v = glue.rope_split(qkv, cos, sin, layer.heads, layer.kv_heads)
             keys, values = cache_layer.update(k, v)
             out, _ = attention(
                 layer.attention_module, q, keys, values, None, dropout=0.0, scaling=layer.scaling
             )
-            (attended,) = layer.o_proj(out.reshape(1, rows, -1))
-            hidden = residual + attended
-            residual = hidden
-            gate, up = layer.gate_up(layer.post_norm(hidden))
-            (down,) = layer.down(layer.act(gate) * up)
-            hidden = residual + down
+            attended = layer.o_proj.fused(out.reshape(1, rows, -1))
+            hidden, normed = glue.add_norm(hidden, attended, layer.post_norm)
+            gate, up = layer.gate_up(normed)
+            down = layer.down.fused(layer.act(gate) * up)
+            if index < last:
+                hidden, normed = glue.add_norm(hidden, down, self._layers[index + 1].input_norm)
+            else:
+                hidden = hidden + down
         if keep is None:
             return None
-        (logits,) = self._head(self._norm(hidden[:, keep]))
+        normed = glue.norm(hidden[:, keep], self._norm)
+        (logits,) = self._head(normed)
         return logits[0].float()
+
+
+def glue_of(model: PreTrainedModel) -> Glue:
+    """The glue a lean forward of ``model`` runs: compiled where its hidden states and every norm
+    weight share one dtype it takes, PyTorch ops otherwise."""
+    base: Any = model.base_model
+    norms = [base.norm.weight] + [
+        n.weight for layer in base.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+    ]
+    dtypes = {base.embed_tokens.weight.dtype, *(w.dtype for w in norms)}
+    if len(dtypes) != 1:
+        return TorchGlue()
+    return glue_for(dtypes.pop(), base.norm.weight.device)
+
+
+def kernel_tag(model: PreTrainedModel) -> str:
+    """Names the lean forward of ``model`` in the store namespace: :data:`KERNEL_TAG` and its glue."""
+    glue = glue_of(model)
+    return f"{KERNEL_TAG}-{glue.tag}" if glue.tag else KERNEL_TAG
 
 
 _SHARED: weakref.WeakKeyDictionary[torch.nn.Module, LeanForward] = weakref.WeakKeyDictionary()
