@@ -104,7 +104,9 @@ def test_each_wheel_holds_its_own_package_only(wheels):
             for line in zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
             if line.startswith("Requires-Dist:")
         ]
-        if name != "kvboost_rag":
+        if name == "kvboost_rag":  # compiled at first use on the user's machine
+            assert "kvboost_rag/assembler/native_glue.c" in names
+        else:
             assert any(line.startswith("Requires-Dist: kvboost-rag") for line in requires), requires
 
 
