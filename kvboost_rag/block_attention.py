@@ -30,6 +30,13 @@ are not attended at all: attention costs about its folded rows (SmolLM2, 3,584
 keys: 9 rows 0.42 ms a call, 24 rows 0.77 ms), so a one-token step attends 8
 folded rows, not the 24 of 8 padded rows x 3 heads.
 
+Sliding-window layers (a query at p attends keys p - window < k <= p, as transformers masks
+them) keep the same construction with a window-dependent first block: a query of block b
+attends the keys from block ``first_key_block(b, window)`` on, the oldest block any query of b
+can reach, with the keys outside its window masked. Again the same keys, blocks and mask row
+for every query of block b in any call; whole blocks behind the window are skipped, so a
+sliding layer costs about two blocks of keys however long the prompt.
+
 Whether the platform really behaves so is checked at load by
 :mod:`kvboost_rag.invariance`; where it does not, the engine uses the canonical
 chunk schedule instead (:mod:`kvboost_rag.chunk_attention`).
@@ -38,9 +45,10 @@ chunk schedule instead (:mod:`kvboost_rag.chunk_attention`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +89,31 @@ def available(device: torch.device) -> bool:
     return _flash_cpu is not None and device.type == "cpu"
 
 
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window as transformers' modules apply it (None: full attention)."""
+    text = config.get_text_config(decoder=True)
+    window = getattr(text, "sliding_window", None)
+    layers = text.num_hidden_layers
+    if window is None or getattr(text, "use_sliding_window", True) is False:
+        return [None] * layers
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is None:
+        return [window] * layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def first_key_block(block: int, window: int | None) -> int:
+    """The first key block that queries of key block ``block`` attend: 0 for full attention, else
+    the block of the oldest key in the window of the block's first query.
+
+    >>> first_key_block(3, None), first_key_block(3, 512), first_key_block(3, 128), first_key_block(0, 128)
+    (0, 2, 2, 0)
+    """
+    if window is None:
+        return 0
+    return max(0, (block * KEY_BLOCK - window + 1) // KEY_BLOCK)
+
+
 @dataclass(frozen=True)
 class _QueryBlock:
     """Query rows ``lo:hi`` of a call, all in key block ``block``, with their mask."""
@@ -88,9 +121,11 @@ class _QueryBlock:
     lo: int
     hi: int
     block: int
+    first: int
+    """The first key they attend (a multiple of ``KEY_BLOCK``)."""
     mask: torch.Tensor
-    """Additive ``[1, 1, folded rows, (block + 1) * KEY_BLOCK]``: 0 where the query may attend, -inf
-    elsewhere; the ``groups * (hi - lo)`` folded rows padded to a multiple of ``ROW_MULTIPLE``."""
+    """Additive ``[1, 1, folded rows, (block + 1) * KEY_BLOCK - first]``: 0 where the query may attend,
+    -inf elsewhere; the ``groups * (hi - lo)`` folded rows padded to a multiple of ``ROW_MULTIPLE``."""
 
 
 _state = threading.local()
@@ -105,32 +140,44 @@ def queries_at(
     device: torch.device,
     *,
     real: int | None = None,
+    windows: Iterable[int | None] = (None,),
 ) -> Iterator[None]:
     """Declare that the forward inside runs ``count`` queries at positions ``start..``, of which the
     first ``real`` (default: all) are wanted; the others are filler rows, whose attention output
     is zeros (it only has to be finite: their KV is dropped after the call).
 
-    The masks depend on the positions only, so they are built once here for every layer.
-    ``groups`` is the number of query heads per KV head.
+    The masks depend on the positions only, so they are built once here for every layer: one set
+    per attention window the model's layers use (None: full attention). ``groups`` is the number
+    of query heads per KV head.
     """
+    wanted = count if real is None else real
+    blocks = {window: _query_blocks(start, wanted, groups, dtype, device, window) for window in windows}
+    with thread_value(_state, "blocks", blocks):
+        yield
+
+
+def _query_blocks(
+    start: int, wanted: int, groups: int, dtype: torch.dtype, device: torch.device, window: int | None
+) -> list[_QueryBlock]:
     blocks = []
     lo = 0
-    wanted = count if real is None else real
     while lo < wanted:
         block = (start + lo) // KEY_BLOCK
         hi = min(wanted, (block + 1) * KEY_BLOCK - start)
-        keys = torch.arange((block + 1) * KEY_BLOCK, device=device)  # the past blocks and its own
+        first = first_key_block(block, window) * KEY_BLOCK
+        keys = torch.arange(first, (block + 1) * KEY_BLOCK, device=device)  # the blocks it may reach
         positions = torch.arange(start + lo, start + hi, device=device)  # [n]
         mask = torch.zeros(hi - lo, len(keys), dtype=dtype, device=device)
         mask.masked_fill_(keys[None, :] > positions[:, None], float("-inf"))
+        if window is not None:
+            mask.masked_fill_(keys[None, :] <= positions[:, None] - window, float("-inf"))
         folded = mask.repeat(groups, 1)  # [groups * n, keys]: each KV group's query heads as rows
         padded = F.pad(
             folded, (0, 0, 0, round_up(len(folded), ROW_MULTIPLE) - len(folded))
         )  # pad rows see all
-        blocks.append(_QueryBlock(lo, hi, block, padded[None, None]))
+        blocks.append(_QueryBlock(lo, hi, block, first, padded[None, None]))
         lo = hi
-    with thread_value(_state, "blocks", blocks):
-        yield
+    return blocks
 
 
 @attention_function
@@ -142,10 +189,17 @@ def block_causal_attention(call: AttentionCall) -> tuple[torch.Tensor, None]:
     finite values). Returns ``[B, L, H, D]``.
     """
     query, key, value, scaling = call.query, call.key, call.value, call.scaling
-    blocks = getattr(_state, "blocks", None)
-    if blocks is None:
+    by_window = getattr(_state, "blocks", None)
+    if by_window is None:
         msg = f"{ATTENTION_NAME} runs only inside queries_at(); the assembler selects it for its own forwards"
         raise RuntimeError(msg)
+    window = call.options.get("sliding_window")
+    if window not in by_window:
+        msg = (
+            f"{ATTENTION_NAME}: a layer attends a window of {window} tokens that queries_at() did not declare"
+        )
+        raise RuntimeError(msg)
+    blocks = by_window[window]
     if (
         call.dropout
         or call.options.get("softcap")
@@ -172,7 +226,9 @@ def block_causal_attention(call: AttentionCall) -> tuple[torch.Tensor, None]:
         if qb.mask.shape[2] != rows:
             folded = F.pad(folded, (0, 0, 0, qb.mask.shape[2] - rows))
         end = (qb.block + 1) * KEY_BLOCK
-        o, _ = _flash_cpu(folded, key[:, :, :end], value[:, :, :end], attn_mask=qb.mask, scale=scaling)
+        o, _ = _flash_cpu(
+            folded, key[:, :, qb.first : end], value[:, :, qb.first : end], attn_mask=qb.mask, scale=scaling
+        )
         # [B, KV, groups * n, D] -> [B, n, KV, groups, D] = [B, n, H, D], in one copy
         unfolded = o[:, :, :rows].unflatten(2, (groups, n)).permute(0, 3, 1, 2, 4)
         out[:, qb.lo : qb.hi].view(batch, n, kv_heads, groups, -1).copy_(unfolded)

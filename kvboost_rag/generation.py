@@ -233,9 +233,9 @@ class Generation:
         return outcomes  # type: ignore[return-value]
 
     def _open(self, items: list[tuple[Prepared, Hooks]]) -> DecodingBatch | None:
-        """Run the requests that must run alone (blend mode, sliding windows beyond the window), each to
+        """Run the requests that must run alone (blend mode, past a sliding window), each to
         its end; start the others as a batch that later requests can join (None when there is none)."""
-        blocker = self.core.assembler.exact_reuse_blocker
+        blocker = self.core.assembler.batch_blocker
         together = []
         for prepared, hooks in items:
             if self._can_batch(prepared, blocker):
@@ -524,7 +524,7 @@ class DecodingBatch:
         decode with the running rows from the next step. Returns the requests that cannot join."""
         generation = self._generation
         core = generation.core
-        blocker = core.assembler.exact_reuse_blocker
+        blocker = core.assembler.batch_blocker
         refused: list[Prepared] = []
         rows: list[BatchRow] = []
         admitted: list[tuple[Prepared, Hooks]] = []  # of each row

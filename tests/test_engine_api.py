@@ -148,46 +148,6 @@ def test_bad_config_value():
 # -- model families ----------------------------------------------------------------------------
 
 
-def test_sliding_window_model_reuses_within_the_window_and_falls_back_beyond():
-    model, tok = tiny_model("mistral", sliding_window=96), tiny_tokenizer()
-    engine = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=16))
-    short = [Segment("The quick brown fox. " * 3), Segment("Why?")]
-    engine.generate(short, max_new_tokens=4)
-    again = engine.generate(short, max_new_tokens=4)
-    assert again.reuse_note is None and again.usage.cached_tokens == again.usage.prompt_tokens
-
-    long = [Segment("The quick brown fox jumps over the lazy dog. " * 12), Segment("Why?")]
-    r = engine.generate(long, max_new_tokens=8)
-    assert r.reuse_note is not None and "sliding-window" in r.reuse_note
-    assert r.usage.cached_tokens == 0 and r.usage.stored_tokens == 0
-    ids = torch.tensor([engine.canonicalize(long).token_ids])
-    hf = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=sorted(engine.eos_ids))
-    assert r.token_ids == hf[0, ids.shape[1] :].tolist()
-
-
-def test_hybrid_gemma3_is_served_beyond_the_window():
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(
-        vocab_size=400,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=32,
-        max_position_embeddings=512,
-        eos_token_id=2,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    engine = KVBoostEngine(model, tiny_tokenizer(), config=EngineConfig(chunk_size=16))
-    r = engine.generate("The quick brown fox jumps over the lazy dog. " * 8, max_new_tokens=4)
-    assert r.reuse_note is not None and r.usage.cached_tokens == 0
-
-
 def test_tiny_model_config_matches_the_families_under_test():
     assert tiny_config("gpt2").model_type == "gpt2"
     assert tiny_config("mistral").sliding_window is None

@@ -30,14 +30,7 @@ if TYPE_CHECKING:
 
 def _attention_window(config: PreTrainedConfig) -> int | None:
     """Smallest sliding window of any layer, or None when every layer attends to all tokens."""
-    text = config.get_text_config(decoder=True)
-    window = getattr(text, "sliding_window", None)
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None and all(t == "full_attention" for t in layer_types):
-        return None
-    if getattr(text, "use_sliding_window", True) is False:
-        return None
-    return window
+    return min((w for w in block_attention.layer_windows(config) if w is not None), default=None)
 
 
 class Assembler:
@@ -53,6 +46,9 @@ class Assembler:
             text, "n_positions", None
         )
         self.attention_window = _attention_window(model.config)
+        # every window a layer may pass to the split-invariant attention (the config's own too: a
+        # module that applies it to every layer whatever its type then finds its masks)
+        self._windows = {*block_attention.layer_windows(model.config), getattr(text, "sliding_window", None)}
         # Forward calls of concurrent requests take turns: the attention switch below is shared
         # state of the model (also between engines that share it), and two calls at once would
         # only split the same cores.
@@ -103,16 +99,27 @@ class Assembler:
     def exact_reuse_blocker(self, total_tokens: int) -> str | None:
         """Why exact chunk reuse cannot serve a sequence of ``total_tokens``, or None.
 
-        Sliding-window layers attend to all tokens while the sequence fits in the
-        window, so reuse stays exact up to there; beyond it we fall back to plain
-        generation through the model's own cache.
+        The split-invariant attention applies each layer's sliding window, so on sliding-window and
+        hybrid models reuse is exact at any length. The canonical schedule's attention does not:
+        there, reuse stays exact while the sequence fits in the smallest window, and beyond it the
+        request runs as plain generation through the model's own cache.
         """
-        if self.attention_window is not None and total_tokens > self.attention_window:
-            return (
-                f"the model uses sliding-window attention (window {self.attention_window} tokens) and this "
-                f"request needs {total_tokens}; chunk reuse is exact only within the window"
-            )
-        return None
+        window = self.attention_window
+        if window is None or total_tokens <= window or self.invariant:
+            return None
+        return (
+            f"the model uses sliding-window attention (window {window} tokens) and this request needs "
+            f"{total_tokens}; past the window, chunk reuse needs the split-invariant attention, which "
+            "this platform's probe did not confirm"
+        )
+
+    def batch_blocker(self, total_tokens: int) -> str | None:
+        """Why a sequence of ``total_tokens`` cannot decode in a batch, or None: a batch's rows attend
+        under one causal mask with no window, so a sequence past a sliding window decodes alone."""
+        window = self.attention_window
+        if window is not None and total_tokens > window:
+            return f"past the model's sliding window ({window} tokens) a request decodes alone"
+        return self.exact_reuse_blocker(total_tokens)
 
     def new_cache(
         self, capacity: int, *, reusable: bool = True, stop: threading.Event | None = None
@@ -524,7 +531,9 @@ class Assembler:
         ``real`` attended, the rest filler rows), and the cache handing out whole key blocks."""
         dtype = next(self.model.parameters()).dtype
         with (
-            block_attention.queries_at(start, rows, self._query_groups, dtype, self.device, real=real),
+            block_attention.queries_at(
+                start, rows, self._query_groups, dtype, self.device, real=real, windows=self._windows
+            ),
             cache.keys_padded(),
         ):
             yield

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from .. import block_attention
 from .buffered_cache import BufferedCache, buffered_layers
 from .native_glue import Glue, RMSNorm, TorchGlue, glue_for
 
@@ -110,6 +111,8 @@ class _Layer:
     kv_heads: int
     head_dim: int
     scaling: float
+    window: int | None
+    """The sliding window the model's module applies (None: full attention)."""
 
 
 class LeanForward:
@@ -125,7 +128,7 @@ class LeanForward:
         """The work between the products: compiled where it can be (see :mod:`.native_glue`)."""
         self._head = _Projections([model.get_output_embeddings()])
         self._layers = []
-        for layer in base.layers:
+        for layer, window in zip(base.layers, block_attention.layer_windows(model.config), strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             self._layers.append(
                 _Layer(
@@ -146,6 +149,7 @@ class LeanForward:
                     kv_heads=text.num_key_value_heads,
                     head_dim=attn.head_dim,
                     scaling=attn.scaling,
+                    window=window,
                 )
             )
 
@@ -205,7 +209,14 @@ class LeanForward:
             q, k, v = glue.rope_split(qkv, cos, sin, layer.heads, layer.kv_heads)
             keys, values = cache_layer.update(k, v)
             out, _ = attention(
-                layer.attention_module, q, keys, values, None, dropout=0.0, scaling=layer.scaling
+                layer.attention_module,
+                q,
+                keys,
+                values,
+                None,
+                dropout=0.0,
+                scaling=layer.scaling,
+                sliding_window=layer.window,
             )
             attended = layer.o_proj.fused(out.reshape(1, rows, -1))
             hidden, normed = glue.add_norm(hidden, attended, layer.post_norm)

@@ -1,0 +1,140 @@
+"""Sliding-window and hybrid models (Mistral with a window, Gemma 3's sliding layers around a global
+one): exact reuse at any length, past the window too; answers equal to transformers' own cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import essay_paragraphs, tiny_model, tiny_tokenizer
+
+from kvboost_rag import EngineConfig, KVBoostEngine, block_attention, invariance, rope
+from kvboost_rag.assembler import Assembler
+from kvboost_rag.block_attention import KEY_BLOCK, block_causal_attention, queries_at
+
+ARCHS = ["mistral-window", "gemma3"]  # windows of 128 tokens
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def text_of(tok, n_tokens: int, skip: int = 0) -> str:
+    text = " ".join(essay_paragraphs(60, max_chars=3000))
+    return tok.decode(tok.encode(text, add_special_tokens=False)[skip : skip + n_tokens])
+
+
+def engine_for(model, tok) -> KVBoostEngine:
+    return KVBoostEngine(model, tok, config=EngineConfig(chunk_size=64))
+
+
+def test_windowed_attention_is_transformers_window_and_split_invariant():
+    """A query at p attends keys p - window < k <= p; rows get the same bits in any call."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, window, total = 4, 2, 16, 200, 1300
+    q = torch.randn(1, heads, total, dim, dtype=torch.bfloat16)
+    k = torch.randn(1, kv_heads, block_attention.round_up(total, KEY_BLOCK), dim, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+
+    def attend(start: int, end: int) -> torch.Tensor:
+        with queries_at(start, end - start, heads // kv_heads, q.dtype, q.device, windows=(None, window)):
+            out, _ = block_causal_attention(
+                torch.nn.Module(), q[:, :, start:end], k, v, None, scaling=0.25, sliding_window=window
+            )
+        return out
+
+    whole = attend(0, total)
+    assert torch.equal(torch.cat([attend(0, 700), attend(700, 1030), attend(1030, total)], dim=1), whole)
+    positions = torch.arange(total)
+    allowed = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - window)
+    reference = F.scaled_dot_product_attention(
+        q.float(),
+        k[:, :, :total].float().repeat_interleave(2, dim=1),
+        v[:, :, :total].float().repeat_interleave(2, dim=1),
+        attn_mask=allowed,
+        scale=0.25,
+    ).transpose(1, 2)
+    torch.testing.assert_close(whole.float(), reference, rtol=0.02, atol=0.02)
+
+
+def test_a_window_the_forward_did_not_declare_is_refused():
+    q = torch.randn(1, 2, 8, 16)
+    k = v = torch.randn(1, 2, KEY_BLOCK, 16)
+    with queries_at(0, 8, 1, q.dtype, q.device), pytest.raises(RuntimeError, match="window of 64"):
+        block_causal_attention(torch.nn.Module(), q, k, v, None, sliding_window=64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_probe_holds_past_the_window(arch, dtype):
+    assembler = Assembler(tiny_model(arch, dtype))
+    assert assembler.attention_window == 128
+    report = invariance.check_split_invariance(assembler, 400)
+    assert report.holds, report.detail
+    assert f"{invariance.probe_tokens(128)} tokens" in report.detail
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_shared_prefix_past_the_window_is_read_and_answers_as_a_fresh_engine(arch, dtype):
+    model, tok = tiny_model(arch, dtype), tiny_tokenizer()
+    prefix = text_of(tok, 1000)  # past the 128-token window and two 512-key blocks
+    engine = engine_for(model, tok)
+    engine.generate(prefix + " What comes first?", max_new_tokens=4)
+    prompt = prefix + " And what comes last, in a few words?"
+    warm = engine.generate(prompt, max_new_tokens=6, return_logits=True)
+    cold = engine_for(model, tok).generate(prompt, max_new_tokens=6, return_logits=True)
+    shared = len(engine.canonicalize(prefix).token_ids)
+    assert warm.reuse_note is None
+    assert warm.usage.cached_tokens >= shared - 64
+    assert torch.equal(warm.first_logits, cold.first_logits)
+    assert warm.token_ids == cold.token_ids
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_answers_past_the_window_equal_transformers_own_forward(arch):
+    """Logits as the model's own forward gives them (float32: the same arithmetic up to rounding; a
+    window left out moves them by ~1), greedy tokens as HF ``generate`` gives them."""
+    model, tok = tiny_model(arch), tiny_tokenizer()
+    prompt = text_of(tok, 1100, skip=50) + " Sum it up."
+    engine = engine_for(model, tok)
+    engine.generate(prompt, max_new_tokens=1)  # stored: the answer below reads it
+    result = engine.generate(prompt, max_new_tokens=12, return_logits=True)
+    assert result.usage.cached_tokens == result.usage.prompt_tokens
+    ids = torch.tensor([engine.canonicalize(prompt).token_ids])
+    with torch.no_grad():
+        own = model(ids).logits[0, -1]
+    torch.testing.assert_close(result.first_logits, own, rtol=1e-4, atol=1e-4)
+    hf = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=sorted(engine.eos_ids))
+    assert result.token_ids == hf[0, ids.shape[1] :].tolist()
+
+
+def test_a_chat_past_the_window_computes_only_its_new_turn():
+    model, tok = tiny_model("gemma3", torch.bfloat16), tiny_tokenizer()
+    engine = engine_for(model, tok)
+    messages = [
+        {"role": "system", "content": "Answer from the notes."},
+        {"role": "user", "content": text_of(tok, 600) + "\nWhat is the first claim?"},
+    ]
+    first = engine.generate(messages, max_new_tokens=8)
+    following = [*messages, {"role": "assistant", "content": first.text}, {"role": "user", "content": "Why?"}]
+    second = engine.generate(following, max_new_tokens=8, return_logits=True)
+    fresh = engine_for(model, tok).generate(following, max_new_tokens=8, return_logits=True)
+    assert second.usage.recomputed_tokens <= 64
+    assert torch.equal(second.first_logits, fresh.first_logits) and second.token_ids == fresh.token_ids
+
+
+def test_requests_past_the_window_decode_alone_and_stay_exact():
+    model, tok = tiny_model("mistral-window"), tiny_tokenizer()
+    engine = engine_for(model, tok)
+    prompts = [text_of(tok, 400, skip=k * 500) + " Go on." for k in range(2)]
+    together = engine.generate_batch(prompts, max_new_tokens=6)
+    for prompt, result in zip(prompts, together, strict=True):
+        alone = engine_for(model, tok).generate(prompt, max_new_tokens=6)
+        assert result.token_ids == alone.token_ids
+    assert engine.core.assembler.batch_blocker(500) is not None
+    assert engine.core.assembler.exact_reuse_blocker(500) is None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_blend_is_refused_with_the_reason_and_the_exact_mode_named(arch):
+    model = tiny_model(arch)
+    reason = rope.blend_blocker(model)
+    assert reason is not None and "sliding-window" in reason and "reuse='exact'" in reason
