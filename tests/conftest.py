@@ -19,3 +19,15 @@ def smollm2():
         return load_model("smollm2-135m-instruct", dtype="float32")
     except MissingModelPackageError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """(model_fp32, tokenizer) of the offline Gemma 3 270M, or skip when its packages are absent."""
+    from kvboost_rag.errors import MissingModelPackageError
+    from kvboost_rag.models import load_model
+
+    try:
+        return load_model("gemma3-270m", dtype="float32")
+    except MissingModelPackageError as e:
+        pytest.skip(str(e))
