@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, summary, timed, write_results  # noqa: E402
+from common import DEFAULT_MODEL, RESULTS_DIR, summary, timed, write_results  # noqa: E402
 from peers import ChatCache, LlamaCppPeer, llama_cpp_available, plain_prefill  # noqa: E402
 
 from kvboost_rag import EngineConfig, KVBoostEngine  # noqa: E402
 
 SYSTEM = "You are a helpful assistant."
-MODEL = "smollm2-135m-instruct"
 
 
 def sharegpt_records() -> Iterator[dict[str, Any]]:
@@ -119,14 +118,18 @@ def main() -> None:
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--quick", action="store_true", help="2 conversations")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="an alias or a local model folder")
     args = parser.parse_args()
     n_conv = 2 if args.quick else args.conversations
     out = args.out or RESULTS_DIR / ("chat_replay-quick.json" if args.quick else "chat_replay.json")
     t0 = time.perf_counter()
     # Replies are stored explicitly (the recorded ones), not the one-token answers generated here.
-    engine = KVBoostEngine.from_pretrained(MODEL, dtype=args.dtype, config=EngineConfig(store_replies=False))
+    engine = KVBoostEngine.from_pretrained(
+        args.model, dtype=args.dtype, config=EngineConfig(store_replies=False)
+    )
     convs = conversations(engine.tokenizer, n_conv, args.turns, args.max_message_tokens)
-    llama = None if args.no_llama_cpp or not llama_cpp_available() else LlamaCppPeer(n_ctx=8192)
+    peer_runs = llama_cpp_available() and not args.no_llama_cpp and args.model == DEFAULT_MODEL
+    llama = LlamaCppPeer(n_ctx=8192) if peer_runs else None
     engine.generate("Hello", max_new_tokens=1)  # start-up, outside the measurements
     per_conv = []
     for k, conv in enumerate(convs):
@@ -162,7 +165,7 @@ def main() -> None:
             + ", ".join(f"{k}/kvboost {row['speedup'][k]['median']:.2f}x" for k in peers)
         )
     settings = {
-        "model": MODEL,
+        "model": args.model,
         "dtype": str(next(engine.model.parameters()).dtype),
         "conversations": n_conv,
         "turns": args.turns,

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""The engine's default model; the llama.cpp peer runs its GGUF, so peers run beside it only."""
 
 QUESTIONS = [  # about a text placed before them
     "What is the main point of the text above? Answer briefly.",

@@ -1,4 +1,4 @@
-"""Fine-grained exact reuse on SmolLM2: flat prompts sharing a prefix of P tokens, and pre-warming.
+"""Fine-grained exact reuse: flat prompts sharing a prefix of P tokens, and pre-warming (any model).
 
 Per prefix length P (a flat string cut mid-word), per repetition, back to back:
 - a prompt ``shared + question A`` fills the store;
@@ -24,7 +24,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUESTIONS, RESULTS_DIR, essay_text, summary, text_of_tokens, write_results  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_MODEL,
+    QUESTIONS,
+    RESULTS_DIR,
+    essay_text,
+    summary,
+    text_of_tokens,
+    write_results,
+)
 
 from kvboost_rag import GenerationResult, KVBoostEngine  # noqa: E402
 from kvboost_rag.models import load_model  # noqa: E402
@@ -119,11 +127,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quick", action="store_true", help="one repetition")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="an alias or a local model folder")
     args = parser.parse_args()
     reps = 1 if args.quick else args.reps
     out = args.out or RESULTS_DIR / ("prefix_reuse-quick.json" if args.quick else "prefix_reuse.json")
     t0 = time.perf_counter()
-    model, tok = load_model("smollm2-135m-instruct", dtype=args.dtype)
+    model, tok = load_model(args.model, dtype=args.dtype)
     engine = KVBoostEngine(model, tok)
     engine.generate("Hello", max_new_tokens=1)  # start-up and the load-time probe, outside the measurements
     text = essay_text()
@@ -131,7 +140,7 @@ def main() -> None:
     rows = flat_prefixes(engine, text, lengths, reps)
     prewarm_row = prewarmed(engine, text, 1000, reps)
     settings = {
-        "model": "smollm2-135m-instruct",
+        "model": args.model,
         "dtype": str(next(model.parameters()).dtype),
         "reps": reps,
         "reuse": engine.stats()["reuse"],

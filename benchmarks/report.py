@@ -91,7 +91,7 @@ def ttft_section(data: dict) -> list[str]:
     stored = f"{r['stored_bytes_per_token'] / 1024:.0f} KiB"
     lines += [
         "",
-        f"Stored bytes per token ({r['dtype']} KV, 30 layers x 3 KV heads x 64): {stored} in the disk tier"
+        f"Stored bytes per token ({r['dtype']} KV, every layer): {stored} in the disk tier"
         + (
             f", {r['llama_cpp_state_bytes_per_token'] / 1024:.0f} KiB in llama.cpp's LlamaDiskCache "
             "(the whole "
@@ -338,6 +338,39 @@ def decode_section(data: dict) -> list[str]:
     return lines
 
 
+def gemma3_targets(results: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """Gemma 3 270M (sliding-window layers): the exact-reuse targets past its window."""
+    rows = []
+    if ttft := results.get("ttft_gemma3"):
+        slowest = min(r["ratios"]["plain_over_cold"]["median"] for r in ttft["rows"])
+        lengths = f"{ttft['rows'][0]['prompt_tokens']}-{ttft['rows'][-1]['prompt_tokens']} tokens"
+        rows.append(
+            (
+                f"Gemma 3 270M: cold path >= 0.95x plain HF prefill speed at {lengths}",
+                f"{slowest:.2f}x (worst length)",
+                slowest >= 0.95,
+            )
+        )
+    if prefix := results.get("prefix_reuse_gemma3"):
+        flat = prefix["flat_prefixes"]
+        worst = max(r["short_of_prefix"]["max"] for r in flat)
+        exact = all(r["bitwise"] for r in flat)
+        longest = max(r["prefix_tokens"] for r in flat)
+        rows.append(
+            (
+                f"Gemma 3 270M: a shared prefix of up to {longest} tokens (past the 512-token window) reused "
+                "to within 64 tokens, bitwise",
+                f"within {worst:.0f} tokens" + ("" if exact else ", NOT bitwise"),
+                worst <= 64 and exact,
+            )
+        )
+    if chat := results.get("chat_replay_gemma3"):
+        t = chat["turns"][-1]
+        x = t["speedup"]["plain_hf"]["median"]
+        rows.append((f"Gemma 3 270M: multi-turn chat >= 5x TTFT at turn {t['turn']}", f"{x:.2f}x", x >= 5))
+    return rows
+
+
 def targets(results: dict[str, Any]) -> list[str]:
     """Each DESIGN.md target with the figure reached (medians of per-repetition ratios)."""
     rows: list[tuple[str, str, bool]] = []
@@ -442,6 +475,8 @@ def targets(results: dict[str, Any]) -> list[str]:
         t = chat["turns"][-1]
         x = t["speedup"]["plain_hf"]["median"]
         add(f"multi-turn chat >= 5x TTFT at turn {t['turn']}", f"{x:.2f}x", x >= 5)
+    for row in gemma3_targets(results):
+        add(*row)
     if decode := results.get("decode"):
         one_k = [
             c
@@ -631,6 +666,13 @@ SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ),
     ("chat_replay", "Multi-turn chat replay (ShareGPT, medians over conversations)", chat_section),
     (
+        "ttft_gemma3",
+        "Gemma 3 270M (sliding-window layers): time to first token vs prompt length",
+        ttft_section,
+    ),
+    ("prefix_reuse_gemma3", "Gemma 3 270M: flat prompts sharing a prefix past the window", prefix_section),
+    ("chat_replay_gemma3", "Gemma 3 270M: multi-turn chat replay (ShareGPT)", chat_section),
+    (
         "blend_quality",
         "RAG with 3-6 retrieved passages in shuffled orders: exact and blend reuse",
         blend_section,
@@ -644,6 +686,14 @@ SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ("server_load", "`kvboost-rag serve` under load on loopback", server_section),
     ("decode", "Decode speed of one stream, speculation from the prompt, and peers", decode_section),
 ]
+
+
+COMMANDS = {
+    "ttft_gemma3": "ttft.py --model gemma3-270m",
+    "prefix_reuse_gemma3": "prefix_reuse.py --model gemma3-270m --lengths 300,1500,4000",
+    "chat_replay_gemma3": "chat_replay.py --model gemma3-270m",
+}
+"""The command of a section whose results file is not named after its script."""
 
 
 def _cpu(m: dict) -> tuple:
@@ -695,7 +745,8 @@ def block() -> list[str]:
             run = results[name]["machine"]
             where = f", {other_machine(run)}" if _cpu(run) != _cpu(m) else ""
             lines += [
-                f"**{title}** (`python benchmarks/{name}.py`, {run['time'][:10]}{where}):",
+                f"**{title}** (`python benchmarks/{COMMANDS.get(name, name + '.py')}`, "
+                f"{run['time'][:10]}{where}):",
                 "",
                 *render(results[name]),
                 "",

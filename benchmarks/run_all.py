@@ -25,6 +25,8 @@ from common import RESULTS_DIR, machine  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
+GEMMA3 = ["--model", "gemma3-270m"]
+
 # name -> (script and full-run arguments, quick-run arguments)
 WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
     # TTFT vs prompt length: cold, warm memory, warm disk; plain HF, DynamicCache copy, llama.cpp;
@@ -38,6 +40,26 @@ WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
     "prefix_reuse": (["prefix_reuse.py"], ["prefix_reuse.py", "--quick"]),
     # ShareGPT conversations, turns 1-8
     "chat_replay": (["chat_replay.py"], ["chat_replay.py", "--quick"]),
+    # the same three on Gemma 3 270M (sliding-window layers of 512 around global ones), HF peers only
+    "ttft_gemma3": (
+        ["ttft.py", *GEMMA3, "--name", "ttft_gemma3", "--reps", "3"],
+        ["ttft.py", *GEMMA3, "--name", "ttft_gemma3-quick", "--quick"],
+    ),
+    "prefix_reuse_gemma3": (
+        [
+            "prefix_reuse.py",
+            *GEMMA3,
+            "--lengths",
+            "300,1500,4000",
+            "--out",
+            str(RESULTS_DIR / "prefix_reuse_gemma3.json"),
+        ],
+        ["prefix_reuse.py", *GEMMA3, "--quick", "--out", str(RESULTS_DIR / "prefix_reuse_gemma3-quick.json")],
+    ),
+    "chat_replay_gemma3": (
+        ["chat_replay.py", *GEMMA3, "--out", str(RESULTS_DIR / "chat_replay_gemma3.json")],
+        ["chat_replay.py", *GEMMA3, "--quick", "--out", str(RESULTS_DIR / "chat_replay_gemma3-quick.json")],
+    ),
     # RAG with 3-6 retrieved passages in shuffled orders: exact and blend reuse
     "blend_quality": (
         ["blend_quality.py"],

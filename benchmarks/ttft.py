@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    DEFAULT_MODEL,
     QUESTIONS,
     RESULTS_DIR,
     essay_text,
@@ -60,9 +61,15 @@ def lay_seconds(engine: KVBoostEngine, prompt: list[Segment]) -> float:
 
 
 def bench_dtype(
-    dtype: str, lengths: list[int], reps: int, text: str, chunk_size: int | None, use_llama: bool
+    model_name: str,
+    dtype: str,
+    lengths: list[int],
+    reps: int,
+    text: str,
+    chunk_size: int | None,
+    use_llama: bool,
 ) -> list[dict]:
-    model, tok = load_model("smollm2-135m-instruct", dtype=dtype)
+    model, tok = load_model(model_name, dtype=dtype)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     floor_s = weight_read_floor(model)["ms_per_token"] / 1000
     rows = []
@@ -153,6 +160,7 @@ def bench_dtype(
             reuse = engine.stats()["reuse"]
             engine.close()
         row = {
+            "model": model_name,
             "dtype": dtype,
             "prompt_tokens": prompt_tokens,
             "reps": reps,
@@ -254,19 +262,23 @@ def main() -> None:
     )
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--chunk-size", type=int, default=None, help="default: the engine's")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="an alias or a local model folder")
+    parser.add_argument("--name", default=None, help="results file stem (default: ttft, ttft-quick)")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
-    use_llama = not args.no_llama_cpp and llama_cpp_available()
+    use_llama = not args.no_llama_cpp and llama_cpp_available() and args.model == DEFAULT_MODEL
     lengths = [
         int(x) for x in (args.lengths or ("512,2048" if args.quick else "512,1024,2048,4096")).split(",")
     ]
     reps = args.reps or (3 if args.quick else 5)
     text = essay_text()
     rows = [
-        row for dtype in dtypes for row in bench_dtype(dtype, lengths, reps, text, args.chunk_size, use_llama)
+        row
+        for dtype in dtypes
+        for row in bench_dtype(args.model, dtype, lengths, reps, text, args.chunk_size, use_llama)
     ]
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    name = "ttft-quick" if args.quick else "ttft"
+    name = args.name or ("ttft-quick" if args.quick else "ttft")
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2))
     plot(rows, RESULTS_DIR / f"{name}.png")
     print(f"wrote {RESULTS_DIR / name}.json and .png")

@@ -138,3 +138,52 @@ def test_blend_is_refused_with_the_reason_and_the_exact_mode_named(arch):
     model = tiny_model(arch)
     reason = rope.blend_blocker(model)
     assert reason is not None and "sliding-window" in reason and "reuse='exact'" in reason
+
+
+def segments(tok) -> list:
+    from kvboost_rag import Segment
+
+    return [
+        Segment("You answer from the documents. Keep answers short.", "text"),
+        *(Segment(text_of(tok, 220, skip=k * 300), "document") for k in range(3)),
+        Segment("Which claim comes first? One sentence.", "text"),
+    ]
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cold_partial_and_full_hits_past_the_window_are_bitwise_identical(arch, dtype, tier, tmp_path):
+    """Contract 2 on hybrid models: 0 %, partial and full hits, from memory or (a new engine) disk."""
+    model, tok = tiny_model(arch, dtype), tiny_tokenizer()
+    prompt = segments(tok)
+    config = EngineConfig(chunk_size=64)
+
+    def engine(store: str) -> KVBoostEngine:
+        return KVBoostEngine(model, tok, config=config, store_dir=tmp_path / store if tier == "disk" else None)
+
+    def run(e: KVBoostEngine):
+        return e.generate(prompt, max_new_tokens=8, return_logits=True)
+
+    uncached = run(KVBoostEngine(model, tok, config=config.model_copy(update={"reuse": "off"})))
+
+    def reopened(e: KVBoostEngine, store: str) -> KVBoostEngine:
+        """The same engine from memory; a new one over the same folder from disk."""
+        if tier == "memory":
+            return e
+        e.close()
+        return engine(store)
+
+    first = engine("full")
+    cold = run(first)
+    assert cold.usage.prompt_tokens > 500 and cold.usage.cached_tokens == 0
+    full = run(reopened(first, "full"))
+    second = engine("partial")
+    second.warm(prompt[:2])  # the opening and the first document
+    partial = run(reopened(second, "partial"))
+    assert full.usage.cached_tokens == full.usage.prompt_tokens
+    assert full.usage.cached_tokens_by_tier == {tier: full.usage.prompt_tokens}
+    assert 0 < partial.usage.cached_tokens < partial.usage.prompt_tokens
+    for result in (cold, full, partial):
+        assert torch.equal(result.first_logits, uncached.first_logits)
+        assert result.token_ids == uncached.token_ids
