@@ -737,8 +737,8 @@ def block() -> list[str]:
         f"Measured on {m['cpu_count']} CPU cores "
         f"({m['processor']}; {', '.join(m.get('cpu_features', [])) or 'n/a'}), "
         f"torch {m['torch']}, transformers {m['transformers']}, SmolLM2-135M-Instruct in {dtype}, "
-        "Qwen2.5-0.5B for blend, Gemma 3 270M where named; every variant runs side by side in each repetition and ratios are "
-        "medians of per-repetition ratios. "
+        "Qwen2.5-0.5B for blend, Gemma 3 270M where named; every variant runs side by side in each "
+        "repetition and ratios are medians of per-repetition ratios. "
         "Reproduce with `make bench` (`make bench QUICK=1` for a short run); "
         "JSON with quartiles and every sample, and plots, in `docs/benchmarks/`.",
         "",

@@ -217,7 +217,9 @@ class RunningBatch:
         mask = (valid.unsqueeze(1) & causal) | own  # [rows, S, P + S]
         if span:
             with self._prefill_lock:
-                logits = assembler.forward_rows(cache, ids, positions, mask.unsqueeze(1), self._shared)
+                logits = assembler.forward_rows(
+                    cache, ids, positions, mask.unsqueeze(1), self._shared, _slot_positions(valid, skip)
+                )
         else:  # every row's whole prompt is prefilled
             logits = torch.zeros(len(rows), 0, device=device)
         firsts = [
@@ -321,6 +323,7 @@ class RunningBatch:
                 self._next_position.unsqueeze(1),
                 self._valid[:, None, None, :],
                 self._shared,
+                _slot_positions(self._valid, self.shared_tokens),
             )
         self._next_position += 1
         return True
@@ -342,6 +345,12 @@ class RunningBatch:
                 out.exact_cache, out.cache_ids = self._cache, [*run.row.token_ids, *stream.ids[:fed]]
         if run.row.on_finish is not None:
             run.row.on_finish(out)
+
+
+def _slot_positions(valid: torch.Tensor, shared_tokens: int) -> torch.Tensor:
+    """The position of the token in each of the rows' own slots ``[rows, slots]``: the valid slots of a
+    row hold its tokens in order after the shared ones (a masked slot gets its predecessor's)."""
+    return shared_tokens + valid.cumsum(dim=1) - 1
 
 
 def _pad_slots(valid: torch.Tensor, slots: int) -> torch.Tensor:

@@ -114,11 +114,16 @@ class Assembler:
         )
 
     def batch_blocker(self, total_tokens: int) -> str | None:
-        """Why a sequence of ``total_tokens`` cannot decode in a batch, or None: a batch's rows attend
-        under one causal mask with no window, so a sequence past a sliding window decodes alone."""
+        """Why a sequence of ``total_tokens`` cannot decode in a batch, or None. A batch masks each
+        layer type on its own (:meth:`forward_rows`), which takes one window size: a model whose
+        layers use several decodes sequences past the smallest one alone."""
         window = self.attention_window
-        if window is not None and total_tokens > window:
-            return f"past the model's sliding window ({window} tokens) a request decodes alone"
+        windows = {w for w in block_attention.layer_windows(self.config) if w is not None}
+        if window is not None and total_tokens > window and len(windows) > 1:
+            return (
+                f"the model's layers use several sliding windows ({sorted(windows)}); past {window} tokens "
+                "a request decodes alone"
+            )
         return self.exact_reuse_blocker(total_tokens)
 
     def new_cache(
@@ -254,7 +259,12 @@ class Assembler:
     @property
     def shares_prefixes(self) -> bool:
         """Whether batches can keep a prefix common to all rows once (see :meth:`shared_prefix`)."""
-        return self._chunk_attention is not None and chunk_attention.shared_prefix_available(self.device)
+        # the shared prefix is attended without a mask, so not by sliding-window layers
+        return (
+            self.attention_window is None
+            and self._chunk_attention is not None
+            and chunk_attention.shared_prefix_available(self.device)
+        )
 
     @staticmethod
     def shared_prefix(cache: Cache, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -270,17 +280,21 @@ class Assembler:
         positions: torch.Tensor,
         mask: torch.Tensor,
         shared: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        slot_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run a padded batch over a batch cache; returns float32 logits ``[rows, vocab]`` of the last column.
 
         ``token_ids``/``positions``: ``[rows, q]``; ``mask``: bool ``[rows, 1, q, kv]`` (True: attend) over
         the rows' own cache slots. ``shared``: a prefix (from :meth:`shared_prefix`) that every row
         attends to before its own slots, kept once for all rows (requires :attr:`shares_prefixes`).
+        ``slot_positions`` ``[rows, kv]``: the position of the token in each slot (any value for masked
+        slots); needed on models with sliding-window layers, whose masks also leave out the slots
+        behind the window.
         """
         kwargs = {
             "input_ids": token_ids,
             "position_ids": positions,
-            "attention_mask": mask,
+            "attention_mask": self._masks_by_layer(mask, positions, slot_positions),
             "use_cache": True,
             self._cache_kwarg: cache,
         }
@@ -294,6 +308,23 @@ class Assembler:
                 ):
                     out = self.model(**kwargs, logits_to_keep=1)
         return out.logits[:, -1].float()
+
+    def _masks_by_layer(
+        self, mask: torch.Tensor, positions: torch.Tensor, slot_positions: torch.Tensor | None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """``mask`` for full-attention layers; on models with a sliding window, the same mask without
+        the slots behind each query's window for the sliding layers (by layer type where the model
+        names types, else the windowed mask for every layer)."""
+        window = self.attention_window
+        if window is None:
+            return mask
+        if slot_positions is None:
+            raise ValueError("a batch over sliding-window layers needs the position of each cache slot")
+        near = slot_positions[:, None, None, :] > positions[:, None, :, None] - window  # [rows, 1, q, kv]
+        windowed = mask & near
+        if getattr(self.config.get_text_config(decoder=True), "layer_types", None) is None:
+            return windowed
+        return {"full_attention": mask, "sliding_attention": windowed}
 
     @contextmanager
     def _batch_linears(self) -> Iterator[None]:
