@@ -21,10 +21,8 @@ from typing import Any
 
 import torch
 
-from .block_attention import layer_windows
-
 ROTATE_HALF_FAMILIES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "granite", "olmo2"}
+    {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite", "olmo2"}
 )
 """Model types whose attention applies RoPE with ``rotate_half`` (pairs ``i`` and ``i + d/2``) to a
 leading slice of the head dimension, the layout :class:`RopeShifter` reproduces."""
@@ -40,11 +38,6 @@ def blend_blocker(model: Any) -> str | None:
     """Why keys of ``model`` cannot be re-rotated exactly (so blend reuse cannot serve it), or None."""
     text = _text_config(model)
     model_type = getattr(text, "model_type", "?")
-    if any(window is not None for window in layer_windows(model.config)):
-        return (
-            "the model has sliding-window layers, and blend reuse's recompute attends without a window; "
-            "use reuse='exact' (exact reuse serves these models at any length)"
-        )
     if model_type not in ROTATE_HALF_FAMILIES:
         return (
             f"blend reuse re-rotates rotary position embeddings, and {model_type!r} models are not supported "
@@ -53,17 +46,15 @@ def blend_blocker(model: Any) -> str | None:
     if getattr(model.base_model, "rotary_emb", None) is None:
         return f"this {model_type!r} model has no shared rotary embedding module; use reuse='exact'"
     params = getattr(text, "rope_parameters", None) or {"rope_type": "default"}
-    if "rope_type" not in params:  # one set of parameters per layer type (e.g. local and global layers)
-        return (
-            "the model uses different RoPE settings per layer type, which blend reuse does not re-rotate; "
-            "use reuse='exact'"
-        )
-    rope_type = params["rope_type"]
-    if rope_type not in STATIC_ROPE_TYPES:
-        return (
-            f"RoPE type {rope_type!r} changes its frequencies with the sequence length, "
-            "so stored keys cannot be moved to new positions exactly; use reuse='exact'"
-        )
+    # one set of parameters, or one per layer type (Gemma 3: local and global layers)
+    per_type = [params] if "rope_type" in params else list(params.values())
+    for kind in per_type:
+        rope_type = kind.get("rope_type", "default") if isinstance(kind, dict) else None
+        if rope_type not in STATIC_ROPE_TYPES:
+            return (
+                f"RoPE type {rope_type!r} changes its frequencies with the sequence length, "
+                "so stored keys cannot be moved to new positions exactly; use reuse='exact'"
+            )
     return None
 
 
@@ -80,7 +71,11 @@ class RopeShifter:
 
             raise UnsupportedModelError(blocker)
         self.rotary = model.base_model.rotary_emb
-        params = _text_config(model).rope_parameters or {}
+        text = _text_config(model)
+        params = text.rope_parameters or {}
+        per_type = "rope_type" not in params and bool(params)
+        self.layer_types: list[str] | None = list(text.layer_types) if per_type else None
+        """Each layer's type where the rotary module keeps one set of frequencies per type."""
         # longrope switches to its long-context frequencies once a forward reaches past the
         # original context; within the short regime its frequencies are fixed.
         self.max_position = (
@@ -92,11 +87,24 @@ class RopeShifter:
         ``new_end``."""
         return self.max_position is None or max(old_end, new_end) <= self.max_position
 
-    def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 cos/sin ``[tokens, rot_dim]`` of the model's rotary module (its scaling included)."""
+    def _cos_sin(
+        self, positions: torch.Tensor, device: torch.device, layer_type: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos/sin ``[tokens, rot_dim]`` of the model's rotary module (its scaling included), for
+        the layers of ``layer_type`` where frequencies differ by type."""
         probe = torch.empty(0, device=device, dtype=torch.float32)
-        cos, sin = self.rotary(probe, positions.to(device).unsqueeze(0))
+        at = positions.to(device).unsqueeze(0)
+        cos, sin = self.rotary(probe, at) if layer_type is None else self.rotary(probe, at, layer_type)
         return cos[0].float(), sin[0].float()
+
+    def _delta(
+        self, old: torch.Tensor, new: torch.Tensor, device: torch.device, layer_type: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[tokens, rot_dim]`` of the rotation from positions ``old`` to ``new``."""
+        cos_o, sin_o = self._cos_sin(old, device, layer_type)
+        cos_n, sin_n = self._cos_sin(new, device, layer_type)
+        scale_sq = cos_o * cos_o + sin_o * sin_o
+        return (cos_n * cos_o + sin_n * sin_o) / scale_sq, (sin_n * cos_o - cos_n * sin_o) / scale_sq
 
     @torch.inference_mode()
     def move(self, kv: torch.Tensor, old_start: int, new_start: int) -> torch.Tensor:
@@ -108,11 +116,14 @@ class RopeShifter:
             return kv
         tokens = kv.shape[3]
         old = torch.arange(old_start, old_start + tokens)
-        cos_o, sin_o = self._cos_sin(old, kv.device)
-        cos_n, sin_n = self._cos_sin(old - old_start + new_start, kv.device)
-        scale_sq = cos_o * cos_o + sin_o * sin_o
-        cos_d = (cos_n * cos_o + sin_n * sin_o) / scale_sq  # [tokens, rot_dim]
-        sin_d = (sin_n * cos_o - cos_n * sin_o) / scale_sq
+        new = old - old_start + new_start
+        if self.layer_types is None:
+            cos_d, sin_d = self._delta(old, new, kv.device)  # [tokens, rot_dim], every layer
+        else:
+            deltas = {kind: self._delta(old, new, kv.device, kind) for kind in set(self.layer_types)}
+            # [layers, 1, tokens, rot_dim]: each layer its type's rotation
+            cos_d = torch.stack([deltas[kind][0] for kind in self.layer_types])[:, None]
+            sin_d = torch.stack([deltas[kind][1] for kind in self.layer_types])[:, None]
         rot_dim = cos_d.shape[-1]
         out = kv.clone()
         keys = kv[:, 0, :, :, :rot_dim].float()  # [layers, kv_heads, tokens, rot_dim]

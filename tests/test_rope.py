@@ -96,3 +96,15 @@ def test_dynamic_ntk_and_models_without_rope_are_refused() -> None:
         RopeShifter(dynamic)
     with pytest.raises(UnsupportedModelError, match="'gpt2' models are not supported"):
         RopeShifter(tiny_model("gpt2"))
+
+
+@pytest.mark.parametrize(("old", "new"), [(0, 37), (300, 1200)])
+def test_per_layer_type_frequencies_move_each_layer_by_its_own(old: int, new: int) -> None:
+    """Gemma 3: sliding layers rotate with a local base, global layers with another. A prompt's keys
+    depend on relative positions only, so every layer's moved keys equal keys computed there."""
+    model = tiny_model("gemma3")
+    params = model.config.rope_parameters
+    assert params["sliding_attention"]["rope_theta"] != params["full_attention"]["rope_theta"]
+    assembler = Assembler(model)
+    moved = RopeShifter(model).move(layer0_keys(assembler, old), old, new)
+    torch.testing.assert_close(moved[:, 0], layer0_keys(assembler, new)[:, 0], atol=ATOL, rtol=1e-4)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from helpers import essay_paragraphs, tiny_model, tiny_tokenizer
 
-from kvboost_rag import EngineConfig, KVBoostEngine, block_attention, invariance, rope
+from kvboost_rag import EngineConfig, KVBoostEngine, block_attention, invariance
 from kvboost_rag.assembler import Assembler
 from kvboost_rag.block_attention import KEY_BLOCK, block_causal_attention, queries_at
 
@@ -136,10 +136,21 @@ def test_requests_past_the_window_decode_together_as_each_decodes_alone(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_blend_is_refused_with_the_reason_and_the_exact_mode_named(arch):
-    model = tiny_model(arch)
-    reason = rope.blend_blocker(model)
-    assert reason is not None and "sliding-window" in reason and "reuse='exact'" in reason
+def test_blend_past_the_window_with_every_token_recomputed_is_exact_mode(arch):
+    """Blend's recompute applies each layer's window: recomputing every reused token (ratio 1) gives
+    the answer and, within rounding, the logits of exact mode; a window left out moves them by ~1."""
+    model, tok = tiny_model(arch), tiny_tokenizer()
+    docs = [text_of(tok, 300, skip=k * 400) for k in range(3)]
+    engine = engine_for(model, tok)
+    engine.prewarm(docs, prefix="Notes:\n\n")
+    prompt = "Notes:\n\n" + "\n\n".join(reversed(docs)) + "\n\nWhat comes first?"
+    blended = engine.generate(
+        prompt, max_new_tokens=8, return_logits=True, reuse="blend", blend_recompute_ratio=1.0
+    )
+    exact = engine_for(model, tok).generate(prompt, max_new_tokens=8, return_logits=True)
+    assert blended.usage.blended_tokens > 500 and blended.usage.approx_tokens == 0
+    torch.testing.assert_close(blended.first_logits, exact.first_logits, rtol=1e-4, atol=1e-4)
+    assert blended.token_ids == exact.token_ids
 
 
 def segments(tok) -> list:

@@ -223,9 +223,13 @@ class Assembler:
         cache's slots and then the ``q`` new ones. Through the lean forward where it runs (its packed
         products; the bits are not a prefill's, and need not be: the result is approximate anyway).
         """
+        # the position of the token in each slot: one slot per prompt token, then the q new ones
+        slot_positions = torch.cat(
+            (torch.arange(mask.shape[-1] - token_ids.shape[1], device=positions.device), positions[0])
+        )[None]
         lean = self._lean_for(cache)
         if lean is None:
-            return self.forward_rows(cache, token_ids, positions, mask)[0]
+            return self.forward_rows(cache, token_ids, positions, mask, slot_positions=slot_positions)[0]
 
         def masked(
             module: torch.nn.Module,
@@ -235,7 +239,11 @@ class Assembler:
             *_: Any,
             **kw: Any,
         ) -> tuple[torch.Tensor, None]:
-            allowed = F.pad(mask, (0, key.shape[2] - mask.shape[-1]))  # key blocks padded: never attended
+            window = kw.get("sliding_window")
+            layer_mask = mask if window is None else _in_window(mask, positions, slot_positions, window)
+            allowed = F.pad(
+                layer_mask, (0, key.shape[2] - mask.shape[-1])
+            )  # key blocks padded: never attended
             out = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=allowed, scale=kw.get("scaling"), enable_gqa=True
             )
@@ -320,8 +328,7 @@ class Assembler:
             return mask
         if slot_positions is None:
             raise ValueError("a batch over sliding-window layers needs the position of each cache slot")
-        near = slot_positions[:, None, None, :] > positions[:, None, :, None] - window  # [rows, 1, q, kv]
-        windowed = mask & near
+        windowed = _in_window(mask, positions, slot_positions, window)
         if getattr(self.config.get_text_config(decoder=True), "layer_types", None) is None:
             return windowed
         return {"full_attention": mask, "sliding_attention": windowed}
@@ -614,6 +621,15 @@ class Assembler:
 
 _FORWARD_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
+
+
+def _in_window(
+    mask: torch.Tensor, positions: torch.Tensor, slot_positions: torch.Tensor, window: int
+) -> torch.Tensor:
+    """``mask`` ``[rows, 1, q, kv]`` without the slots behind each query's sliding window: a query at p
+    attends slots holding positions p - window < k (``positions`` ``[rows, q]``, ``slot_positions``
+    ``[rows, kv]``)."""
+    return mask & (slot_positions[:, None, None, :] > positions[:, None, :, None] - window)
 
 
 def _model_lock(model: torch.nn.Module) -> threading.Lock:
