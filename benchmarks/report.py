@@ -676,6 +676,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ),
     ("prefix_reuse_gemma3", "Gemma 3 270M: flat prompts sharing a prefix past the window", prefix_section),
     ("chat_replay_gemma3", "Gemma 3 270M: multi-turn chat replay (ShareGPT)", chat_section),
+    ("blend_quality_gemma3", "Gemma 3 270M: RAG passages in shuffled orders, exact and blend", blend_section),
     (
         "blend_quality",
         "RAG with 3-6 retrieved passages in shuffled orders: exact and blend reuse",
@@ -696,6 +697,7 @@ COMMANDS = {
     "ttft_gemma3": "ttft.py --model gemma3-270m",
     "prefix_reuse_gemma3": "prefix_reuse.py --model gemma3-270m --lengths 300,1500,4000",
     "chat_replay_gemma3": "chat_replay.py --model gemma3-270m",
+    "blend_quality_gemma3": "blend_quality.py --models gemma3-270m --questions 12",
 }
 """The command of a section whose results file is not named after its script."""
 

@@ -60,6 +60,25 @@ WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
         ["chat_replay.py", *GEMMA3, "--out", str(RESULTS_DIR / "chat_replay_gemma3.json")],
         ["chat_replay.py", *GEMMA3, "--quick", "--out", str(RESULTS_DIR / "chat_replay_gemma3-quick.json")],
     ),
+    "blend_quality_gemma3": (
+        [
+            "blend_quality.py",
+            "--models",
+            "gemma3-270m",
+            "--questions",
+            "12",
+            "--out",
+            str(RESULTS_DIR / "blend_quality_gemma3.json"),
+        ],
+        [
+            "blend_quality.py",
+            "--models",
+            "gemma3-270m",
+            "--quick",
+            "--out",
+            str(RESULTS_DIR / "blend_quality_gemma3-quick.json"),
+        ],
+    ),
     # RAG with 3-6 retrieved passages in shuffled orders: exact and blend reuse
     "blend_quality": (
         ["blend_quality.py"],

@@ -526,8 +526,9 @@ class Assembler:
         for lay in buffered_layers(cache):
             end = lay.get_seq_length()
             base = end - len(slots)
-            lay._k[:, :, slots] = lay._k[:, :, base:end]
-            lay._v[:, :, slots] = lay._v[:, :, base:end]
+            # copies first: with one KV head PyTorch sees the source and the slots as overlapping
+            lay._k[:, :, slots] = lay._k[:, :, base:end].clone()
+            lay._v[:, :, slots] = lay._v[:, :, base:end].clone()
             lay.truncate(base)
 
     @property
