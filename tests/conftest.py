@@ -9,25 +9,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-@pytest.fixture(scope="session")
-def smollm2():
-    """(model_fp32, tokenizer) of the offline SmolLM2-135M-Instruct, or skip when its package is absent."""
+def _offline_model(alias: str):
+    """(model_fp32, tokenizer) of an offline alias, or skip when its packages are absent."""
     from kvboost_rag.errors import MissingModelPackageError
     from kvboost_rag.models import load_model
 
     try:
-        return load_model("smollm2-135m-instruct", dtype="float32")
+        return load_model(alias, dtype="float32")
     except MissingModelPackageError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model_fp32, tokenizer) of the offline SmolLM2-135M-Instruct."""
+    return _offline_model("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
 def gemma3():
-    """(model_fp32, tokenizer) of the offline Gemma 3 270M, or skip when its packages are absent."""
-    from kvboost_rag.errors import MissingModelPackageError
-    from kvboost_rag.models import load_model
-
-    try:
-        return load_model("gemma3-270m", dtype="float32")
-    except MissingModelPackageError as e:
-        pytest.skip(str(e))
+    """(model_fp32, tokenizer) of the offline Gemma 3 270M."""
+    return _offline_model("gemma3-270m")

@@ -14,7 +14,10 @@ rotary module, SiLU-gated MLP), as one flat loop over the layers, with:
   rows through slow kernels; all SmolLM2 products of one 8-row step take 13 ms packed against
   29 ms (bfloat16), 24 ms against 69 ms (float32). Packed products give each row the same bits
   whatever the row count (in bfloat16 the bits of ``F.linear`` too; in float32 other bits);
-- other devices keep ``F.linear`` per projection, as the modules do.
+- other devices keep ``F.linear`` per projection, as the modules do;
+- the work between the products (residual adds, RMSNorm, RoPE) through a glue
+  (:mod:`.native_glue`): two compiled C functions where a C compiler exists, else the modules'
+  PyTorch ops.
 
 It runs the split-invariant forwards (prefill, decode and verification alike), so the
 load-time probe covers it: the probe compares split forwards through this path, and the
@@ -93,7 +96,8 @@ class _Projections:
         """The projections side by side on the last axis."""
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return torch.cat(self(x), dim=-1)
+        parts = self(x)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 @dataclass(frozen=True)
