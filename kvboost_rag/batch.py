@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import block_attention
-from .assembler import Assembler
+from .assembler import Assembler, batch_rows
 from .assembler.buffered_cache import buffered_layers
 from .decoding import DecodeStepper, SpeculationStats
 from .request import Request
@@ -190,13 +190,13 @@ class RunningBatch:
         if skip and self._shared is None:
             first = rows[0].prefix
             assert first is not None  # shared tokens lie in a prefix
-            self._shared = assembler.shared_prefix(first.cache, skip)
+            self._shared = batch_rows.shared_prefix(first.cache, skip)
         width = max(r.prefix_tokens for r in rows) - skip  # P: each row's own prefix slots
         suffixes = [r.token_ids[r.prefix_tokens :] for r in rows]
         span = max(len(s) for s in suffixes)  # S
         capacity = width + span + max(r.max_new_tokens for r in rows)
         prefixes = [(r.prefix.cache if r.prefix else None, r.prefix_tokens) for r in rows]
-        cache = assembler.batch_cache(prefixes, capacity, skip)
+        cache = batch_rows.batch_cache(assembler.num_layers, prefixes, capacity, skip)
 
         valid = torch.zeros(len(rows), width + span, dtype=torch.bool, device=device)
         ids = torch.zeros(len(rows), span, dtype=torch.long, device=device)
@@ -244,7 +244,7 @@ class RunningBatch:
             # so a large max_new_tokens must not make it copy (and zero) more; past it they grow
             left = [run.row.max_new_tokens - run.emitted for run in self._running]
             left += [r.max_new_tokens for r in rows]
-            assembler.join_rows(self._cache, cache, slots_now + min(max(left), block_attention.KEY_BLOCK))
+            batch_rows.join_rows(self._cache, cache, slots_now + min(max(left), block_attention.KEY_BLOCK))
             self._valid = torch.cat([_pad_slots(self._valid, slots_now), _pad_slots(valid, slots_now)])
             self._next_position = torch.cat([self._next_position, next_position])
             self._logits = torch.cat([self._logits, logits])
@@ -260,7 +260,7 @@ class RunningBatch:
             return
         self._end_lone()
         assert self._cache is not None  # the adopted row's
-        self._shared = self._assembler.share_prefix(self._cache, tokens)
+        self._shared = batch_rows.share_prefix(self._cache, tokens)
         self._valid = self._valid[:, tokens:]  # [1, own slots]
         self.shared_tokens = tokens
 
@@ -268,7 +268,7 @@ class RunningBatch:
         """Give every running row its own copy of the shared prefix, so that rows without it can join
         (``shared_tokens`` becomes 0). Decoding goes on unchanged, reading the prefix per row."""
         if self._shared is not None and self._cache is not None:
-            self._assembler.unshare_prefix(self._cache, self._shared)
+            batch_rows.unshare_prefix(self._cache, self._shared)
             prefix = self._valid.new_ones(self._valid.shape[0], self.shared_tokens)
             self._valid = torch.cat([prefix, self._valid], dim=1)  # [rows, shared + own slots]
         self._shared, self.shared_tokens = None, 0
@@ -308,7 +308,7 @@ class RunningBatch:
         assert self._cache is not None  # rows are running
         if len(keep) < len(self._running):
             index = torch.tensor(keep, device=self._valid.device)
-            self._assembler.keep_rows(self._cache, index)
+            batch_rows.keep_rows(self._cache, index)
             self._valid = self._valid.index_select(0, index)
             self._next_position = self._next_position.index_select(0, index)
             self._running = [self._running[b] for b in keep]

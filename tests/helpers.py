@@ -293,3 +293,17 @@ def record_admissions(monkeypatch: Any) -> list[int]:
 
     monkeypatch.setattr(RunningBatch, "admit", admit)
     return sizes
+
+
+def assert_answers_as_the_models_own_cache(
+    engine: Any, model: Any, prompt: Any, result: Any, tolerance: float
+) -> None:
+    """``result`` (``prompt`` answered greedily with ``return_logits``) has the first logits of the
+    model's own forward over the prompt (within ``tolerance``) and the tokens of HF ``generate``."""
+    ids = torch.tensor([engine.canonicalize(prompt).token_ids])
+    with torch.no_grad():
+        own = model(ids).logits[0, -1]
+    torch.testing.assert_close(result.first_logits, own, rtol=tolerance, atol=tolerance)
+    new_tokens = len(result.token_ids)
+    hf = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=sorted(engine.eos_ids))
+    assert result.token_ids == hf[0, ids.shape[1] :].tolist()

@@ -13,7 +13,7 @@ import torch
 from helpers import tiny_model, tiny_tokenizer
 
 from kvboost_rag import EngineConfig, KVBoostEngine, Request, Segment
-from kvboost_rag.assembler import Assembler
+from kvboost_rag.assembler import batch_rows
 from kvboost_rag.assembler.buffered_cache import BufferedCache, BufferedLayer, buffered_layers
 from kvboost_rag.batch import RunningBatch
 from kvboost_rag.block_attention import KEY_BLOCK
@@ -58,7 +58,7 @@ def _one_row_cache(length: int, capacity: int) -> BufferedCache:
 def test_joined_rows_pad_the_shorter_rows_with_zeros(poisoned):
     running, joining = _one_row_cache(7, 16), _one_row_cache(3, 8)
     before = [layer.keys.clone() for layer in buffered_layers(joining)]
-    Assembler.join_rows(running, joining, capacity=20)
+    batch_rows.join_rows(running, joining, capacity=20)
     for layer, keys in zip(buffered_layers(running), before, strict=True):
         assert layer.length == 7 and layer.keys.shape[0] == 2
         assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
@@ -68,14 +68,14 @@ def test_joined_rows_pad_the_shorter_rows_with_zeros(poisoned):
 def test_a_shared_prefix_taken_out_and_put_back_leaves_the_row_as_it_was(poisoned):
     cache = _one_row_cache(9, 16)
     before = [(layer.keys.clone(), layer.values.clone()) for layer in buffered_layers(cache)]
-    shared = Assembler.share_prefix(cache, 4)
+    shared = batch_rows.share_prefix(cache, 4)
     assert [layer.length for layer in buffered_layers(cache)] == [5, 5]
     assert all(k.shape[2] == 4 for k, _ in shared)
-    Assembler.unshare_prefix(cache, shared)
+    batch_rows.unshare_prefix(cache, shared)
     for layer, (keys, values) in zip(buffered_layers(cache), before, strict=True):
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
     with pytest.raises(ValueError, match="one-row cache"):
-        Assembler.share_prefix(cache, 10)
+        batch_rows.share_prefix(cache, 10)
 
 
 SYSTEM = Segment("Stored keys and values are reused for every token of a prompt that comes back. " * 3)

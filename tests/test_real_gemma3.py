@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import essay_paragraphs
+from helpers import assert_answers_as_the_models_own_cache, essay_paragraphs
 
 from kvboost_rag import EngineConfig, KVBoostEngine
 
@@ -48,12 +48,7 @@ def test_answers_past_the_window_equal_transformers_own_forward(gemma3):
     engine.generate(prompt, max_new_tokens=1)
     result = engine.generate(prompt, max_new_tokens=10, return_logits=True)
     assert result.usage.cached_tokens == result.usage.prompt_tokens
-    ids = torch.tensor([engine.canonicalize(prompt).token_ids])
-    with torch.no_grad():
-        own = model(ids).logits[0, -1]
-    torch.testing.assert_close(result.first_logits, own, rtol=1e-3, atol=1e-3)
-    hf = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=sorted(engine.eos_ids))
-    assert result.token_ids == hf[0, ids.shape[1] :].tolist()
+    assert_answers_as_the_models_own_cache(engine, model, prompt, result, tolerance=1e-3)
 
 
 def test_a_chat_turn_sent_at_once_past_the_window_computes_little_and_answers_as_a_fresh_engine(gemma3_bf16):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import essay_paragraphs, tiny_model, tiny_tokenizer
+from helpers import assert_answers_as_the_models_own_cache, essay_paragraphs, tiny_model, tiny_tokenizer
 
 from kvboost_rag import EngineConfig, KVBoostEngine, block_attention, invariance
 from kvboost_rag.assembler import Assembler
@@ -98,12 +98,7 @@ def test_answers_past_the_window_equal_transformers_own_forward(arch):
     engine.generate(prompt, max_new_tokens=1)  # stored: the answer below reads it
     result = engine.generate(prompt, max_new_tokens=12, return_logits=True)
     assert result.usage.cached_tokens == result.usage.prompt_tokens
-    ids = torch.tensor([engine.canonicalize(prompt).token_ids])
-    with torch.no_grad():
-        own = model(ids).logits[0, -1]
-    torch.testing.assert_close(result.first_logits, own, rtol=1e-4, atol=1e-4)
-    hf = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=sorted(engine.eos_ids))
-    assert result.token_ids == hf[0, ids.shape[1] :].tolist()
+    assert_answers_as_the_models_own_cache(engine, model, prompt, result, tolerance=1e-4)
 
 
 def test_a_chat_past_the_window_computes_only_its_new_turn():

@@ -49,6 +49,8 @@ class Assembler:
         # every window a layer may pass to the split-invariant attention (the config's own too: a
         # module that applies it to every layer whatever its type then finds its masks)
         self._windows = {*block_attention.layer_windows(model.config), getattr(text, "sliding_window", None)}
+        self._masks_by_type = getattr(text, "layer_types", None) is not None
+        """Whether the model takes a batch's masks by layer type (else one mask for every layer)."""
         # Forward calls of concurrent requests take turns: the attention switch below is shared
         # state of the model (also between engines that share it), and two calls at once would
         # only split the same cores.
@@ -117,8 +119,7 @@ class Assembler:
         """Why a sequence of ``total_tokens`` cannot decode in a batch, or None. A batch masks each
         layer type on its own (:meth:`forward_rows`), which takes one window size: a model whose
         layers use several decodes sequences past the smallest one alone."""
-        window = self.attention_window
-        windows = {w for w in block_attention.layer_windows(self.config) if w is not None}
+        window, windows = self.attention_window, {w for w in self._windows if w is not None}
         if window is not None and total_tokens > window and len(windows) > 1:
             return (
                 f"the model's layers use several sliding windows ({sorted(windows)}); past {window} tokens "
@@ -266,19 +267,13 @@ class Assembler:
 
     @property
     def shares_prefixes(self) -> bool:
-        """Whether batches can keep a prefix common to all rows once (see :meth:`shared_prefix`)."""
+        """Whether batches can keep a prefix common to all rows once (see :mod:`.batch_rows`)."""
         # the shared prefix is attended without a mask, so not by sliding-window layers
         return (
             self.attention_window is None
             and self._chunk_attention is not None
             and chunk_attention.shared_prefix_available(self.device)
         )
-
-    @staticmethod
-    def shared_prefix(cache: Cache, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The first ``tokens`` of a one-row cache, per layer ``(keys, values)``
-        ``[1, kv_heads, tokens, head_dim]``."""
-        return [(layer.keys[:, :, :tokens], layer.values[:, :, :tokens]) for layer in kv_layers(cache)]
 
     @torch.inference_mode()
     def forward_rows(
@@ -293,7 +288,7 @@ class Assembler:
         """Run a padded batch over a batch cache; returns float32 logits ``[rows, vocab]`` of the last column.
 
         ``token_ids``/``positions``: ``[rows, q]``; ``mask``: bool ``[rows, 1, q, kv]`` (True: attend) over
-        the rows' own cache slots. ``shared``: a prefix (from :meth:`shared_prefix`) that every row
+        the rows' own cache slots. ``shared``: a prefix (from :func:`.batch_rows.share_prefix`) that every row
         attends to before its own slots, kept once for all rows (requires :attr:`shares_prefixes`).
         ``slot_positions`` ``[rows, kv]``: the position of the token in each slot (any value for masked
         slots); needed on models with sliding-window layers, whose masks also leave out the slots
@@ -329,7 +324,7 @@ class Assembler:
         if slot_positions is None:
             raise ValueError("a batch over sliding-window layers needs the position of each cache slot")
         windowed = _in_window(mask, positions, slot_positions, window)
-        if getattr(self.config.get_text_config(decoder=True), "layer_types", None) is None:
+        if not self._masks_by_type:
             return windowed
         return {"full_attention": mask, "sliding_attention": windowed}
 
@@ -382,108 +377,6 @@ class Assembler:
         finally:
             for module in swapped:
                 del module.forward
-
-    @torch.inference_mode()
-    def batch_cache(self, prefixes: list[tuple[Cache | None, int]], capacity: int, skip: int = 0) -> Cache:
-        """A cache of ``len(prefixes)`` rows: row i holds tokens ``skip:n_i`` of its prefix cache from
-        slot 0, zeros (to be masked) up to the longest prefix; ``skip`` tokens are shared and kept apart.
-
-        The buffers past the longest prefix are left unwritten (see :mod:`.buffered_cache`)."""
-        cache = BufferedCache(self.num_layers, capacity)
-        width = max(n for _, n in prefixes) - skip
-        source = next((c for c, n in prefixes if n), None)
-        if source is None or width == 0:
-            return cache  # nothing to lay: the first forward initialises the buffers
-        for layer_idx, layer in enumerate(buffered_layers(cache)):
-            ref = kv_layers(source)[layer_idx].keys  # [1, kv_heads, seq, head_dim]
-            keys = ref.new_empty(len(prefixes), ref.shape[1], capacity, ref.shape[3])
-            values = keys.new_empty(keys.shape)
-            for row, (prefix, n) in enumerate(prefixes):
-                own = max(n - skip, 0)
-                if own:
-                    assert prefix is not None  # a prefix of n > 0 tokens has its cache
-                    keys[row, :, :own] = kv_layers(prefix)[layer_idx].keys[0, :, skip:n]
-                    values[row, :, :own] = kv_layers(prefix)[layer_idx].values[0, :, skip:n]
-                keys[row, :, own:width] = 0  # masked, and read
-                values[row, :, own:width] = 0
-            layer.set_buffers(keys, values, width)
-        return cache
-
-    @staticmethod
-    def keep_rows(cache: Cache, rows: torch.Tensor) -> None:
-        """Drop every row of a batch cache but ``rows`` (finished requests leave the batch)."""
-        for layer in buffered_layers(cache):
-            kept = []
-            for buffer in (layer._k, layer._v):
-                new = buffer.new_empty(len(rows), *buffer.shape[1:])
-                new[:, :, : layer.length] = buffer[rows, :, : layer.length]  # the slots held, not the rest
-                kept.append(new)
-            layer.set_buffers(kept[0], kept[1], layer.length)
-
-    @staticmethod
-    @torch.inference_mode()
-    def join_rows(cache: Cache, joining: Cache, capacity: int) -> None:
-        """Lay the rows of batch cache ``joining`` after those of ``cache`` (new requests join a batch),
-        in buffers of at least ``capacity`` slots.
-
-        Both keep their slots from 0; the shorter one is padded with zero slots (to be masked) to
-        the longer's length, so that the next token of every row goes to one common slot.
-        """
-        for layer, other in zip(buffered_layers(cache), buffered_layers(joining), strict=True):
-            length = max(layer.length, other.length)
-            size = block_attention.round_up(max(capacity, length), block_attention.KEY_BLOCK)
-            rows = layer._k.shape[0] + other._k.shape[0]
-            merged = []
-            for mine, theirs in ((layer._k, other._k), (layer._v, other._v)):
-                buffer = mine.new_empty(rows, mine.shape[1], size, mine.shape[3])
-                ours, joined = buffer[: mine.shape[0]], buffer[mine.shape[0] :]
-                ours[:, :, : layer.length] = mine[:, :, : layer.length]
-                ours[:, :, layer.length : length] = 0  # masked, and read
-                joined[:, :, : other.length] = theirs[:, :, : other.length]
-                joined[:, :, other.length : length] = 0
-                merged.append(buffer)
-            layer.set_buffers(merged[0], merged[1], length)
-
-    @staticmethod
-    @torch.inference_mode()
-    def share_prefix(cache: Cache, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Take the first ``tokens`` slots of a one-row cache out, as a prefix to share (from then on
-        passed to :meth:`forward_rows`); the row keeps its later slots, from slot 0. The inverse of
-        :meth:`unshare_prefix`. Returns per layer ``(keys, values)`` ``[1, kv_heads, tokens, head_dim]``."""
-        layers = buffered_layers(cache)
-        length = layers[0].length  # the same in every layer
-        if layers[0]._k.shape[0] != 1 or not 0 < tokens <= length:
-            msg = f"share_prefix takes 1 to {length} leading slots of a one-row cache, not {tokens}"
-            raise ValueError(msg)
-        shared = []
-        for layer in layers:
-            size = block_attention.round_up(max(layer.capacity - tokens, 1), block_attention.KEY_BLOCK)
-            prefix, own = [], []
-            for buffer in (layer._k, layer._v):
-                kept = buffer.new_empty(1, buffer.shape[1], size, buffer.shape[3])
-                kept[:, :, : length - tokens] = buffer[:, :, tokens:length]
-                prefix.append(buffer[:, :, :tokens].clone())
-                own.append(kept)
-            layer.set_buffers(own[0], own[1], length - tokens)
-            shared.append((prefix[0], prefix[1]))
-        return shared
-
-    @staticmethod
-    @torch.inference_mode()
-    def unshare_prefix(cache: Cache, shared: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy a shared prefix (from :meth:`shared_prefix`) into the first slots of every row of batch
-        ``cache``, before the row's own slots: the rows no longer need it passed to
-        :meth:`forward_rows`."""
-        for layer, (shared_keys, shared_values) in zip(buffered_layers(cache), shared, strict=True):
-            tokens, length = shared_keys.shape[2], layer.length
-            size = block_attention.round_up(layer.capacity + tokens, block_attention.KEY_BLOCK)
-            merged = []
-            for own, prefix in ((layer._k, shared_keys), (layer._v, shared_values)):
-                buffer = own.new_empty(own.shape[0], own.shape[1], size, own.shape[3])
-                buffer[:, :, :tokens] = prefix  # [1, kv_heads, tokens, head_dim] to every row
-                buffer[:, :, tokens : tokens + length] = own[:, :, :length]
-                merged.append(buffer)
-            layer.set_buffers(merged[0], merged[1], tokens + length)
 
     @torch.inference_mode()
     def probe(

@@ -138,7 +138,7 @@ class KVLayer(Protocol):
 
 
 def kv_layers(cache: Cache) -> list[KVLayer]:
-    """The layers of a cache made by :meth:`Assembler.new_cache` or :meth:`Assembler.batch_cache`.
+    """The layers of a cache made by :meth:`Assembler.new_cache` or :func:`.batch_rows.batch_cache`.
 
     transformers types them loosely (``keys`` may be None, layers may be linear attention); ours
     are full-attention layers, read only once they hold tokens.
