@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache
 
 from . import block_attention
 from .assembler import Assembler, batch_rows
-from .assembler.buffered_cache import buffered_layers
+from .assembler.buffered_cache import BufferedCache, buffered_layers
 from .decoding import DecodeStepper, SpeculationStats
 from .request import Request
 from .runner import PrefillOutcome
@@ -143,10 +143,11 @@ class RunningBatch:
         """Whether one adopted row decodes on the exact single-request path (no row was admitted yet)."""
         return self._stepper is not None
 
-    def adopt(self, row: BatchRow) -> None:
+    def adopt(self, row: BatchRow, keep_from: int | None = None) -> None:
         """Start with one row whose whole prompt is prefilled (``row.prefix``, with its last logits):
         while it runs alone it decodes on the exact single-request path, one token per forward,
-        bitwise as a lone request; once others are admitted it decodes as a row of the batch."""
+        bitwise as a lone request; once others are admitted it decodes as a row of the batch.
+        ``keep_from``: as for :class:`.DecodeStepper` (the row's reply stored from its cache)."""
         prefix = row.prefix
         if (
             self._running
@@ -166,6 +167,7 @@ class RunningBatch:
             row.token_ids,
             end=len(row.token_ids) + row.max_new_tokens,
             max_draft_tokens=self._max_draft_tokens,
+            keep_from=keep_from,
         )
         self._running = [
             _Running(
@@ -329,10 +331,14 @@ class RunningBatch:
         return True
 
     def _end_lone(self) -> None:
-        """The lone row decodes as a batch row from now on: drafts not yet confirmed leave its cache."""
+        """The lone row decodes as a batch row from now on: drafts not yet confirmed leave its cache,
+        and positions its sliding-window layers dropped come back as zeros (batches mask them by
+        position: they lie behind the window)."""
         if self._stepper is not None:
             self._stepper.settle()
             self._stepper = None
+            if isinstance(self._cache, BufferedCache):
+                self._cache.restore_dropped()
 
     def _leave(self, run: _Running, reason: str, error: Exception | None = None) -> None:
         stream, stepper = run.stream, self._stepper

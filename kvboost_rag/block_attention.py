@@ -35,7 +35,9 @@ them) keep the same construction with a window-dependent first block: a query of
 attends the keys from block ``first_key_block(b, window)`` on, the oldest block any query of b
 can reach, with the keys outside its window masked. Again the same keys, blocks and mask row
 for every query of block b in any call; whole blocks behind the window are skipped, so a
-sliding layer costs about two blocks of keys however long the prompt.
+sliding layer costs about two blocks of keys however long the prompt. A cache may drop those
+blocks (see ``BufferedCache.drop_behind``): the keys it hands over then start at a later position,
+which :func:`queries_at` is told (``key_starts``, by layer); the flash calls read the same keys.
 
 Whether the platform really behaves so is checked at load by
 :mod:`kvboost_rag.invariance`; where it does not, the engine uses the canonical
@@ -45,7 +47,7 @@ chunk schedule instead (:mod:`kvboost_rag.chunk_attention`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +143,7 @@ def queries_at(
     *,
     real: int | None = None,
     windows: Iterable[int | None] = (None,),
+    key_starts: Sequence[int] | None = None,
 ) -> Iterator[None]:
     """Declare that the forward inside runs ``count`` queries at positions ``start..``, of which the
     first ``real`` (default: all) are wanted; the others are filler rows, whose attention output
@@ -148,11 +151,12 @@ def queries_at(
 
     The masks depend on the positions only, so they are built once here for every layer: one set
     per attention window the model's layers use (None: full attention). ``groups`` is the number
-    of query heads per KV head.
+    of query heads per KV head. ``key_starts``: by layer index, the position of the first key the
+    layer is handed (a whole number of key blocks; default: every layer's keys from position 0).
     """
     wanted = count if real is None else real
     blocks = {window: _query_blocks(start, wanted, groups, dtype, device, window) for window in windows}
-    with thread_value(_state, "blocks", blocks):
+    with thread_value(_state, "blocks", blocks), thread_value(_state, "key_starts", key_starts):
         yield
 
 
@@ -200,6 +204,14 @@ def block_causal_attention(call: AttentionCall) -> tuple[torch.Tensor, None]:
         )
         raise RuntimeError(msg)
     blocks = by_window[window]
+    key_starts = getattr(_state, "key_starts", None)
+    key_start = key_starts[call.module.layer_idx] if key_starts else 0
+    if blocks and blocks[0].first < key_start:
+        msg = (
+            f"{ATTENTION_NAME}: queries attend keys from position {blocks[0].first}, "
+            f"but the cache dropped those before {key_start}"
+        )
+        raise RuntimeError(msg)
     if (
         call.dropout
         or call.options.get("softcap")
@@ -225,9 +237,9 @@ def block_causal_attention(call: AttentionCall) -> tuple[torch.Tensor, None]:
         folded = query[:, :, qb.lo : qb.hi].reshape(batch, kv_heads, rows, dim)  # heads of a KV group as rows
         if qb.mask.shape[2] != rows:
             folded = F.pad(folded, (0, 0, 0, qb.mask.shape[2] - rows))
-        end = (qb.block + 1) * KEY_BLOCK
+        first, end = qb.first - key_start, (qb.block + 1) * KEY_BLOCK - key_start  # slots of the cache
         o, _ = _flash_cpu(
-            folded, key[:, :, qb.first : end], value[:, :, qb.first : end], attn_mask=qb.mask, scale=scaling
+            folded, key[:, :, first:end], value[:, :, first:end], attn_mask=qb.mask, scale=scaling
         )
         # [B, KV, groups * n, D] -> [B, n, KV, groups, D] = [B, n, H, D], in one copy
         unfolded = o[:, :, :rows].unflatten(2, (groups, n)).permute(0, 3, 1, 2, 4)

@@ -17,6 +17,11 @@ transformers decodes, and nothing is drafted.
 
 Cache layout while speculating: ``[ committed tokens | fed token, drafts (verified later) ]``;
 :meth:`DecodeStepper.settle` drops the unconfirmed tail.
+
+On models with sliding-window layers the stepper lets those layers drop the key blocks that no
+later step attends (``BufferedCache.drop_behind``), so their memory stays about the window
+however long the request; ``keep_from`` keeps the positions a caller still reads afterwards
+(the reply, stored from the cache for the next turn).
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ class DecodeStepper:
     token just chosen and returns float32 logits ``[vocab]`` for the next one; it runs a forward
     only when that token was not drafted and verified already. ``end``: the request's last
     position + 1 (prompt and ``max_new_tokens``); no draft is fed past what can still be chosen,
-    so drafts never run past the cache's capacity or the model's positions.
+    so drafts never run past the cache's capacity or the model's positions. ``keep_from``: the
+    first position the cache must still hold when decoding ends (None: only what later steps attend).
     """
 
     def __init__(
@@ -63,8 +69,10 @@ class DecodeStepper:
         *,
         end: int,
         max_draft_tokens: int,
+        keep_from: int | None = None,
     ) -> None:
         self._assembler, self._cache, self._end = assembler, cache, end
+        self._keep_from = keep_from
         self.position = len(history)
         """Tokens whose KV the cache holds for sure (the prompt, then each token fed and confirmed)."""
         self.exact = assembler.invariant and isinstance(cache, BufferedCache)
@@ -98,6 +106,8 @@ class DecodeStepper:
         assembler, cache = self._assembler, self._cache
         rows = [token, *drafts]
         if self.exact:
+            assert isinstance(cache, BufferedCache)  # exact steps run over buffered caches
+            cache.drop_behind(self.position, self._keep_from)
             out = assembler.forward_tail(cache, rows, self.position, len(rows))
         else:
             out = assembler.forward_tail(cache, rows, self.position, 1, exact_rows=False)

@@ -384,6 +384,7 @@ class Generation:
             canonical.token_ids,
             end=n_prompt + max_new,
             max_draft_tokens=core.config.max_draft_tokens,
+            keep_from=n_prompt if self._stores_reply(prepared, core.config) else None,
         )
         for token in decode(stepper, out.logits, request, core.eos_ids, max_new):
             if cancel is not None and cancel.is_set():
@@ -515,7 +516,8 @@ class DecodingBatch:
             core.lock,
             max_draft_tokens=core.config.max_draft_tokens,
         )
-        self._running.adopt(row)
+        stores_reply = Generation._stores_reply(prepared, core.config)
+        self._running.adopt(row, keep_from=len(prepared.canonical) if stores_reply else None)
         chunks = core.chunks(prepared.canonical, prepared.request.cache_salt)
         self._lone_keys = [(c.key, c.end) for c in chunks]
 

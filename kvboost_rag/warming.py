@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .assembler.buffered_cache import BufferedCache
 from .blend import record_sources
 from .canonical import CanonicalPrompt, PromptInput, Segment, normalize_text, segments_before
 from .core import EngineCore
@@ -130,10 +131,13 @@ def store_reply_from_cache(
     common = next(differ, min(len(ids), len(cache_ids)))  # leading tokens the cache holds
     chunks = core.chunks(canonical, salt)
     filler = CacheFiller(core.assembler, ids, chunks, cache, core.store, None, index=core.prefix_index)
+    held_from = cache.held_from if isinstance(cache, BufferedCache) else 0
     for i, chunk in enumerate(chunks):
         if chunk.end > common:
             break
         if not core.store.contains(chunk.key):
+            if chunk.start < held_from:  # a sliding layer dropped it: the re-prefill stores it
+                return False
             filler.put(i, core.assembler.extract(cache, chunk.start, chunk.end), None)
     reply_end = max(
         (

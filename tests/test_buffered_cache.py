@@ -137,3 +137,32 @@ def test_extend_on_an_empty_layer_starts_its_buffers():
     keys, values = torch.randn(2, 6, 4), torch.randn(2, 6, 4)
     layer.extend([keys], [values])
     assert torch.equal(layer.keys[0], keys) and torch.equal(layer.values[0], values)
+
+
+def test_a_sliding_layer_drops_the_blocks_behind_its_window_and_keeps_counting_positions(poisoned):
+    """Positions stay the unit: after dropping, slot 0 holds ``start``, new tokens follow the last."""
+    layer = BufferedLayer(capacity=3 * KEY_BLOCK, window=128)
+    keys, values = torch.randn(1, 2, 1300, 4), torch.randn(1, 2, 1300, 4)
+    layer.update(keys, values)
+    layer.drop_behind(1300, keep_from=600)  # the reply from 600 on is still to be read
+    assert layer.start == 512  # keep_from's key block: behind the window, but kept
+    layer.drop_behind(1300)  # block 2's queries reach back to block 1 (window 128)
+    assert (layer.start, layer.get_seq_length()) == (512, 1300)
+    assert layer._k.shape[2] == 2 * KEY_BLOCK + KEY_BLOCK  # what is left, plus a block of room
+    assert torch.equal(layer.keys, keys[:, :, 512:]) and torch.equal(layer.values, values[:, :, 512:])
+    more = torch.randn(1, 2, 5, 4)
+    layer.update(more, more)
+    assert layer.get_seq_length() == 1305 and torch.equal(layer.keys[:, :, -5:], more)
+    with pytest.raises(ValueError, match="dropped"):
+        layer.truncate(400)
+    layer.restore_dropped()  # as a batch reads it: every position from 0, the dropped ones zero
+    assert layer.start == 0 and layer.keys.shape[2] == 1305
+    assert not layer.keys[:, :, :512].any() and torch.equal(layer.keys[:, :, 512:1300], keys[:, :, 512:])
+
+
+def test_full_attention_layers_never_drop():
+    cache = BufferedCache(2, 3 * KEY_BLOCK, windows=[128, None])
+    for layer in buffered_layers(cache):
+        layer.update(torch.randn(1, 2, 1300, 4), torch.randn(1, 2, 1300, 4))
+    cache.drop_behind(1300)
+    assert cache.key_starts() == [512, 0] and cache.held_from == 512

@@ -8,9 +8,13 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_answers_as_the_models_own_cache, essay_paragraphs, tiny_model, tiny_tokenizer
 
-from kvboost_rag import EngineConfig, KVBoostEngine, block_attention, invariance
+from kvboost_rag import EngineConfig, KVBoostEngine, Request, block_attention, invariance
 from kvboost_rag.assembler import Assembler
+from kvboost_rag.assembler.buffered_cache import buffered_layers
+from kvboost_rag.batch import RunningBatch
 from kvboost_rag.block_attention import KEY_BLOCK, block_causal_attention, queries_at
+from kvboost_rag.decoding import DecodeStepper
+from kvboost_rag.warming import reply_head, store_reply_from_cache
 
 ARCHS = ["mistral-window", "gemma3"]  # windows of 128 tokens
 DTYPES = [torch.float32, torch.bfloat16]
@@ -200,3 +204,107 @@ def test_cold_partial_and_full_hits_past_the_window_are_bitwise_identical(arch, 
     for result in (cold, full, partial):
         assert torch.equal(result.first_logits, uncached.first_logits)
         assert result.token_ids == uncached.token_ids
+
+
+def _greedy_steps(assembler, ids: list[int], steps: int, keep_from: int | None) -> tuple[torch.Tensor, int]:
+    """Logits of ``steps`` greedy decode steps after ``ids``, and the most slots a sliding layer held."""
+    cache = assembler.new_cache(len(ids) + steps)
+    logits = assembler.forward(cache, ids, 0)
+    stepper = DecodeStepper(
+        assembler, cache, ids, end=len(ids) + steps + 1, max_draft_tokens=4, keep_from=keep_from
+    )
+    out, most_slots = [], 0
+    for _ in range(steps):
+        logits = stepper.next_logits(int(logits.argmax()))
+        out.append(logits)
+        most_slots = max(most_slots, *(lay._k.shape[2] for lay in buffered_layers(cache) if lay.window))
+    return torch.stack(out), most_slots
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_long_decode_keeps_about_a_window_per_sliding_layer_with_the_same_bits(arch):
+    """Sliding layers drop the key blocks no later step attends, as transformers' own cache keeps only
+    the window: at 2,000 positions each holds at most 3 key blocks; every logit keeps its bits."""
+    model, tok = tiny_model(arch, torch.bfloat16), tiny_tokenizer()
+    assembler = engine_for(model, tok).core.assembler
+    ids = tok.encode(text_of(tok, 1100), add_special_tokens=False)
+    dropping, most_slots = _greedy_steps(assembler, ids, 900, keep_from=None)
+    keeping, all_slots = _greedy_steps(assembler, ids, 900, keep_from=0)
+    assert most_slots <= 3 * KEY_BLOCK < all_slots
+    assert torch.equal(dropping, keeping)
+
+
+@pytest.mark.parametrize("keep_reply", [True, False], ids=["reply-kept", "reply-dropped"])
+def test_a_reply_past_the_window_is_stored_from_the_cache_only_where_it_was_kept(keep_reply):
+    """A chat reply is stored from the request's own cache when it ends: decoding keeps its positions
+    (``keep_from``), so the next turn computes only itself, with a fresh engine's bits; where they
+    were dropped, storing says so (the idle re-prefill stores it) and nothing wrong is stored."""
+    model, tok = tiny_model("mistral-window", torch.bfloat16), tiny_tokenizer()
+    engine = engine_for(model, tok)
+    core = engine.core
+    messages = [{"role": "user", "content": text_of(tok, 560) + "\nGo on."}]
+    reply = text_of(tok, 1100, skip=3000)  # text that tokenizes back to itself, as a real reply does
+    following = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+    engine.generate(messages, max_new_tokens=1)  # the prompt's chunks are stored
+    prompt_ids = engine.canonicalize(messages).token_ids
+    head = core.canonicalize(reply_head(core, messages, reply), add_generation_prompt=False).token_ids
+    assert head[: len(prompt_ids)] == prompt_ids
+    reply_ids = head[len(prompt_ids) :]  # as the next turn renders the reply
+    cache = core.assembler.new_cache(len(prompt_ids) + len(reply_ids))
+    core.assembler.forward(cache, prompt_ids, 0)
+    stepper = DecodeStepper(
+        core.assembler,
+        cache,
+        prompt_ids,
+        end=len(prompt_ids) + len(reply_ids) + 1,
+        max_draft_tokens=0,
+        keep_from=len(prompt_ids) if keep_reply else None,
+    )
+    for token in reply_ids:  # the reply's tokens fed as a decode feeds them
+        stepper.next_logits(token)
+    assert cache.held_from == (512 if keep_reply else 1024)  # the window alone would drop to 1,024
+    stored = store_reply_from_cache(core, messages, reply, None, cache, [*prompt_ids, *reply_ids])
+    assert stored == keep_reply
+    second = engine.generate(following, max_new_tokens=4, return_logits=True)
+    fresh = engine_for(model, tok).generate(following, max_new_tokens=4, return_logits=True)
+    assert torch.equal(second.first_logits, fresh.first_logits)
+    if keep_reply:
+        assert second.usage.recomputed_tokens <= 64
+
+
+def test_a_lone_row_that_dropped_blocks_joins_a_batch_and_keeps_its_tokens(monkeypatch):
+    """The lone row's dropped positions come back as zeros when others join (the batch masks them by
+    position); it decodes as it would alone."""
+    model, tok = tiny_model("mistral-window", torch.bfloat16), tiny_tokenizer()
+    restored: list[int] = []
+    real_end_lone = RunningBatch._end_lone
+
+    def end_lone(self: RunningBatch) -> None:
+        if self._stepper is not None:
+            restored.append(max(self._cache.key_starts()))
+        real_end_lone(self)
+
+    monkeypatch.setattr(RunningBatch, "_end_lone", end_lone)
+    batching = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=64, batch_window_ms=0))
+    batching.eos_ids = frozenset()
+    long = Request(text_of(tok, 1100, skip=40) + " Go on.", max_new_tokens=40)
+    joiner = Request(text_of(tok, 300, skip=900) + " Why?", max_new_tokens=8)
+    steps = [0]
+    joined: list = []
+    real_step = RunningBatch.step
+
+    def step(self: RunningBatch) -> bool:
+        going = real_step(self)
+        steps[0] += 1
+        if steps[0] == 10:
+            joined.append(batching.submit(joiner))
+        return going
+
+    monkeypatch.setattr(RunningBatch, "step", step)
+    result = batching.submit(long).result(timeout=120)
+    joined_result = joined[0].result(timeout=120)
+    batching.close()
+    assert restored and restored[0] == KEY_BLOCK  # the lone row had dropped a block when the joiner came
+    alone = engine_for(model, tok)
+    assert result.token_ids == alone.generate(long).token_ids
+    assert joined_result.token_ids == alone.generate(joiner).token_ids

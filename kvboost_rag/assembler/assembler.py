@@ -48,7 +48,8 @@ class Assembler:
         self.attention_window = _attention_window(model.config)
         # every window a layer may pass to the split-invariant attention (the config's own too: a
         # module that applies it to every layer whatever its type then finds its masks)
-        self._windows = {*block_attention.layer_windows(model.config), getattr(text, "sliding_window", None)}
+        self._layer_windows = block_attention.layer_windows(model.config)
+        self._windows = {*self._layer_windows, getattr(text, "sliding_window", None)}
         self._masks_by_type = getattr(text, "layer_types", None) is not None
         """Whether the model takes a batch's masks by layer type (else one mask for every layer)."""
         # Forward calls of concurrent requests take turns: the attention switch below is shared
@@ -136,7 +137,7 @@ class Assembler:
         """
         if not reusable:
             return DynamicCache(config=self.config)
-        return BufferedCache(self.num_layers, capacity, stop)
+        return BufferedCache(self.num_layers, capacity, stop, self._layer_windows)
 
     def forward(
         self,
@@ -464,7 +465,14 @@ class Assembler:
         dtype = next(self.model.parameters()).dtype
         with (
             block_attention.queries_at(
-                start, rows, self._query_groups, dtype, self.device, real=real, windows=self._windows
+                start,
+                rows,
+                self._query_groups,
+                dtype,
+                self.device,
+                real=real,
+                windows=self._windows,
+                key_starts=cache.key_starts(),
             ),
             cache.keys_padded(),
         ):
@@ -484,10 +492,16 @@ class Assembler:
     @torch.inference_mode()
     def extract(self, cache: Cache, start: int, end: int) -> torch.Tensor:
         """KV of tokens ``start:end`` as ``[layers, 2, kv_heads, tokens, head_dim]`` (a copy)."""
+        held_from = cache.held_from if isinstance(cache, BufferedCache) else 0
+        if start < held_from:
+            msg = f"tokens {start}:{end} are not all held: the cache dropped the positions before {held_from}"
+            raise ValueError(msg)
+        layers = kv_layers(cache)
+        slots = [start - getattr(layer, "start", 0) for layer in layers]  # [slot of ``start`` per layer]
         return torch.stack(
             [
-                torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end]))
-                for layer in kv_layers(cache)
+                torch.stack((layer.keys[0, :, s : s + end - start], layer.values[0, :, s : s + end - start]))
+                for layer, s in zip(layers, slots, strict=True)
             ]
         )
 

@@ -10,6 +10,12 @@ only when a slot in it is first written, which matters because a fresh zero-fill
 its whole size in page faults (a batch join of 8 rows: ~190 MB, ~0.2 s on a 2-core machine).
 Attention over ``seq`` slots reads no further; the split-invariant attention reads the rest of the
 last key block (masked), and those slots are zeroed first, so every slot read is finite.
+
+A sliding-window layer may drop the key blocks that no query from a given position on can attend
+(:meth:`BufferedCache.drop_behind`): its slot 0 then holds position ``start`` (a whole number of
+key blocks), so a long request keeps about its window per sliding layer, as transformers' own
+sliding-window cache does. Positions stay the cache's unit (``get_seq_length``, ``truncate``);
+slots are positions minus ``start``.
 """
 
 from __future__ import annotations
@@ -34,10 +40,16 @@ class BufferedLayer(DynamicLayer):
     buffer that grows geometrically makes appends cost only the new tokens.
     """
 
-    def __init__(self, capacity: int, stop: threading.Event | None = None) -> None:
+    def __init__(self, capacity: int, stop: threading.Event | None = None, window: int | None = None) -> None:
         super().__init__()
         self.capacity = block_attention.round_up(max(capacity, 1), block_attention.KEY_BLOCK)
+        """Slots of the buffers."""
         self.length = 0
+        """Positions held or dropped: the next token goes to position ``length``."""
+        self.start = 0
+        """The position in slot 0: the key blocks before it were dropped (sliding-window layers only)."""
+        self.window = window
+        """The sliding window of the layer (None: full attention, nothing is ever dropped)."""
         self.pad_keys = False
         """Return the keys and values padded to whole key blocks (for the split-invariant attention)."""
         self.stop = stop
@@ -57,12 +69,51 @@ class BufferedLayer(DynamicLayer):
 
     def _grow(self, needed: int) -> None:
         capacity = block_attention.round_up(max(needed, 2 * self.capacity), block_attention.KEY_BLOCK)
+        self._move(self.start, capacity)
+
+    def _move(self, start: int, capacity: int) -> None:
+        """Copy positions ``start:length`` into new buffers of ``capacity`` slots, from slot 0."""
+        held = self.length - start
         for name in ("_k", "_v"):
             old = getattr(self, name)
             new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
-            new[:, :, : self.length] = old[:, :, : self.length]
+            new[:, :, :held] = old[:, :, start - self.start : self.length - self.start]
             setattr(self, name, new)
-        self.capacity, self.finite = capacity, self.length
+        self.start, self.capacity, self.finite = start, capacity, held
+        self._views()
+
+    def _views(self) -> None:
+        held = self.length - self.start
+        self.keys, self.values = self._k[:, :, :held], self._v[:, :, :held]
+
+    def drop_behind(self, position: int, keep_from: int | None = None) -> None:
+        """Drop the key blocks that no query at ``position`` or later attends (a sliding-window layer
+        only), but none from ``keep_from`` on; the buffers shrink to what is left, plus a key block
+        of room."""
+        if self.window is None or not self.is_initialized:
+            return
+        block = block_attention.KEY_BLOCK
+        start = block_attention.first_key_block(position // block, self.window) * block
+        if keep_from is not None:
+            start = min(start, keep_from // block * block)
+        if start <= self.start:
+            return
+        self._move(start, block_attention.round_up(self.length - start, block) + block)
+
+    def restore_dropped(self) -> None:
+        """Hold every position from 0 again, the dropped ones as zeros (for attention that masks them
+        by position, as batches do: they lie behind every later query's window)."""
+        if self.start == 0:
+            return
+        dropped, held = self.start, self.length - self.start
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], self.capacity + dropped, old.shape[3])
+            new[:, :, :dropped] = 0
+            new[:, :, dropped : dropped + held] = old[:, :, :held]
+            setattr(self, name, new)
+        self.start, self.capacity, self.finite = 0, self.capacity + dropped, self.length
+        self._views()
 
     def _zero_to(self, slot: int) -> None:
         """Make every slot below ``slot`` finite (zeros where nothing was written)."""
@@ -78,51 +129,55 @@ class BufferedLayer(DynamicLayer):
             raise CancelledError("the request was cancelled")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
+        first, end = self.length - self.start, self.length - self.start + key_states.shape[-2]  # slots
         if end > self.capacity:
             self._grow(end)
-        self._k[:, :, self.length : end] = key_states
-        self._v[:, :, self.length : end] = value_states
-        self.length, self.finite = end, max(self.finite, end)
-        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        self._k[:, :, first:end] = key_states
+        self._v[:, :, first:end] = value_states
+        self.length, self.finite = self.start + end, max(self.finite, end)
+        self._views()
         if self.pad_keys:
             padded = block_attention.round_up(end, block_attention.KEY_BLOCK)
             self._zero_to(padded)  # the masked rest of the last key block is read
             return self._k[:, :, :padded], self._v[:, :, :padded]
-        return self.keys, self.values
+        return self._k[:, :, :end], self._v[:, :, :end]
 
     def extend(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
         """Append several runs of stored tokens ``[kv_heads, tokens, head_dim]`` in order.
 
         One concatenation per buffer, written straight into its slots: one copy of each byte, and one
         kernel call where a copy per run pays a call each (8K tokens in 64-token chunks: 125 runs)."""
-        end = self.length + sum(k.shape[-2] for k in keys)
+        first = self.length - self.start
+        end = first + sum(k.shape[-2] for k in keys)
         if not self.is_initialized:
             self.lazy_initialization(keys[0].unsqueeze(0), values[0].unsqueeze(0))
         if end > self.capacity:
             self._grow(end)
-        torch.cat(list(keys), dim=-2, out=self._k[0, :, self.length : end])
-        torch.cat(list(values), dim=-2, out=self._v[0, :, self.length : end])
-        self.length, self.finite = end, max(self.finite, end)
-        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        torch.cat(list(keys), dim=-2, out=self._k[0, :, first:end])
+        torch.cat(list(values), dim=-2, out=self._v[0, :, first:end])
+        self.length, self.finite = self.start + end, max(self.finite, end)
+        self._views()
 
     def get_seq_length(self) -> int:
         return self.length
 
     def truncate(self, length: int) -> None:
-        """Forget every slot from ``length`` on."""
+        """Forget every position from ``length`` on."""
         if not self.is_initialized:
             return
+        if length < self.start:
+            msg = f"cannot go back to position {length}: the positions before {self.start} were dropped"
+            raise ValueError(msg)
         self.length = length
-        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
+        self._views()
 
     def set_buffers(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """Adopt ``[rows, kv_heads, capacity, head_dim]`` buffers whose first ``length`` slots are filled
-        (finite); the slots after them may hold anything."""
+        (finite) with positions ``0:length``; the slots after them may hold anything."""
         self.device = keys.device
         self._k, self._v = keys, values
-        self.capacity, self.length, self.finite = keys.shape[2], length, length
-        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self.start, self.capacity, self.length, self.finite = 0, keys.shape[2], length, length
+        self._views()
         self.is_initialized = True
 
 
@@ -156,8 +211,35 @@ class BufferedCache(DynamicCache):
     """A ``DynamicCache`` (models check for that type) made of buffered layers; with ``stop``, a
     forward over it raises ``CancelledError`` at its next layer once ``stop`` is set."""
 
-    def __init__(self, num_layers: int, capacity: int, stop: threading.Event | None = None) -> None:
-        Cache.__init__(self, layers=[BufferedLayer(capacity, stop) for _ in range(num_layers)])
+    def __init__(
+        self,
+        num_layers: int,
+        capacity: int,
+        stop: threading.Event | None = None,
+        windows: Sequence[int | None] | None = None,
+    ) -> None:
+        windows = windows if windows is not None else [None] * num_layers
+        Cache.__init__(self, layers=[BufferedLayer(capacity, stop, window) for window in windows])
+
+    def drop_behind(self, position: int, keep_from: int | None = None) -> None:
+        """Drop, in every sliding-window layer, the key blocks that no query at ``position`` or later
+        attends, keeping every position from ``keep_from`` on (see :meth:`BufferedLayer.drop_behind`)."""
+        for layer in buffered_layers(self):
+            layer.drop_behind(position, keep_from)
+
+    def restore_dropped(self) -> None:
+        """Every layer holds every position from 0 again (dropped ones as zeros)."""
+        for layer in buffered_layers(self):
+            layer.restore_dropped()
+
+    def key_starts(self) -> list[int]:
+        """The position in slot 0 of each layer."""
+        return [layer.start for layer in buffered_layers(self)]
+
+    @property
+    def held_from(self) -> int:
+        """The first position every layer still holds."""
+        return max((layer.start for layer in buffered_layers(self)), default=0)
 
     def truncate(self, length: int) -> None:
         """Forget every token from ``length`` on, in every layer."""
