@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .cli_store import add_store_args, previous_secrets, store_secret, store_secrets
+from .cli_engine import (
+    EXIT_BAD_ENTRIES,
+    EXIT_BAD_INPUT,
+    EXIT_MODEL,
+    EXIT_OK,
+    EXIT_STORE,
+    add_model_args,
+    add_redis_args,
+    open_engine,
+)
+from .cli_serve import add_serve_args, serve_command
+from .cli_store import add_store_args, store_secrets
 from .errors import (
     DamagedStoreError,
     InvalidRequestError,
@@ -21,7 +31,6 @@ from .errors import (
     StoreError,
     UnsupportedModelError,
 )
-from .limits import ServerLimits
 from .models import ALIASES, kvboost_home
 from .sources import iter_documents
 
@@ -30,46 +39,9 @@ if TYPE_CHECKING:
     from .maintenance import VerifyReport
     from .store import DiskStore
 
-EXIT_OK, EXIT_BAD_ENTRIES, EXIT_BAD_INPUT, EXIT_MODEL, EXIT_STORE = 0, 1, 2, 3, 4
-
 
 def _default_store() -> str:
     return str(kvboost_home() / "store")
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF id or local path")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--chunk-size", type=int, default=None, help="tokens per stored chunk (default: the engine's)"
-    )
-
-
-def _add_redis_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--redis-url",
-        default=os.environ.get("KVBOOST_REDIS_URL"),
-        help="shared Redis KV tier, redis://[:password@]host:port/db or rediss:// for TLS "
-        "(default: $KVBOOST_REDIS_URL; none: no Redis tier)",
-    )
-
-
-def _engine(args: argparse.Namespace, store_dir: str | None) -> Any:
-    from .engine import KVBoostEngine
-
-    overrides: dict[str, Any] = {} if args.chunk_size is None else {"chunk_size": args.chunk_size}
-    secret = store_secret(args)
-    if secret is not None:
-        overrides["store_secret"] = secret
-        overrides["store_previous_secrets"] = previous_secrets(args)
-    for name in ("store_file_mode", "store_codec"):  # the commands that open a store take both
-        if hasattr(args, name):
-            overrides[name] = getattr(args, name)
-    if getattr(args, "redis_url", None):
-        overrides["redis_url"] = args.redis_url
-    if getattr(args, "batch_window_ms", None) is not None:
-        overrides["batch_window_ms"] = args.batch_window_ms
-    return KVBoostEngine.from_pretrained(args.model, dtype=args.dtype, store_dir=store_dir, **overrides)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,10 +50,10 @@ def _parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion (as a chat user message unless --raw)")
     gen.add_argument("prompt", help="the user message (or raw prompt with --raw); '-' reads standard input")
-    _add_model_args(gen)
+    add_model_args(gen)
     gen.add_argument("--store", default=None, help="KV store directory (default: memory only)")
     add_store_args(gen)
-    _add_redis_args(gen)
+    add_redis_args(gen)
     gen.add_argument("--system", default=None, help="system prompt")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--max-new-tokens", type=int, default=128)
@@ -108,10 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument(
         "sources", nargs="+", help="folders of .txt/.md/.rst files, JSONL files (text, id), or globs"
     )
-    _add_model_args(pre)
+    add_model_args(pre)
     pre.add_argument("--store", default=_default_store(), help="KV store directory (default: %(default)s)")
     add_store_args(pre)
-    _add_redis_args(pre)
+    add_redis_args(pre)
     group = pre.add_mutually_exclusive_group()
     group.add_argument(
         "--prefix", default=None, help="for flat prompts: the exact text that precedes each document"
@@ -143,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument(
         "--sample", type=int, default=0, help="entries to recompute with --model and compare bitwise"
     )
-    _add_model_args(ver)
+    add_model_args(ver)
 
     gc = sub.add_parser("gc", help="drop the entries of every namespace but the given model's")
     gc.add_argument("--store", default=_default_store())
@@ -153,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         help="also drop intact entries signed otherwise than this process's store secret(s) sign",
     )
     add_store_args(gc)
-    _add_model_args(gc)
+    add_model_args(gc)
 
     rep = sub.add_parser(
         "repair",
@@ -169,64 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list the offline model aliases")
 
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    srv.add_argument(
-        "model_arg",
-        nargs="?",
-        default=None,
-        metavar="MODEL",
-        help="alias, HF id or local path (same as --model)",
-    )
-    _add_model_args(srv)
-    srv.add_argument("--store", default=None, help="KV store directory (default: memory only)")
-    add_store_args(srv)
-    _add_redis_args(srv)
-    srv.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)"
-    )
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--served-model-name", default=None, help="name /v1/models lists (default: MODEL)")
-    srv.add_argument(
-        "--max-queue",
-        type=int,
-        default=64,
-        help="most requests admitted at once, running or waiting; more get 429 (default: %(default)s)",
-    )
-    srv.add_argument(
-        "--request-timeout-s",
-        type=float,
-        default=120.0,
-        help="per-request limit, streams included; past it 504 and the generation stops",
-    )
-    srv.add_argument(
-        "--batch-window-ms",
-        type=float,
-        default=None,
-        help="how long a request waits for others to join its batch (default: the engine's)",
-    )
-    srv.add_argument(
-        "--default-max-tokens", type=int, default=256, help="max_tokens when a request sets none"
-    )
-    srv.add_argument(
-        "--shutdown-grace-s",
-        type=float,
-        default=30.0,
-        help="on SIGTERM/SIGINT, how long running requests may finish before they are stopped",
-    )
-    srv.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        help="a key clients must send as 'Authorization: Bearer <key>' (repeatable; it shows in the "
-        "process list, so prefer --api-keys-file or the KVBOOST_API_KEY environment variable)",
-    )
-    srv.add_argument("--api-keys-file", default=None, help="file with one API key per line")
-    for option in ServerLimits.option_names():  # per-request limits: 413/400 past them
-        default, flag = getattr(ServerLimits(), option), f"--{option.replace('_', '-')}"
-        srv.add_argument(flag, type=int, default=default, help=ServerLimits.describe(option))
-    srv.add_argument(
-        "--metrics-public", action="store_true", help="serve /metrics without a key (/health always is)"
-    )
-    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_serve_args(srv)
     return parser
 
 
@@ -253,7 +168,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": text}
         ]
-    with _engine(args, args.store) as engine:
+    with open_engine(args, args.store) as engine:
         kwargs = dict(
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
@@ -291,7 +206,7 @@ def _prewarm(args: argparse.Namespace) -> int:
     documents = list(iter_documents(args.sources))
     if not documents:
         raise InvalidRequestError("no documents found in the given sources")
-    with _engine(args, args.store) as engine:
+    with open_engine(args, args.store) as engine:
         prefix = (
             chat_prefix(engine, args.system) if args.system is not None or args.chat else (args.prefix or "")
         )
@@ -386,7 +301,7 @@ def _verify(args: argparse.Namespace) -> int:
     _print_scan(report)
     ok = report.ok
     if args.sample:
-        with _engine(args, args.store) as engine:
+        with open_engine(args, args.store) as engine:
             sample = recompute_sample(engine, _disk_tier(engine), args.sample)
         print(
             f"recomputed {sample.recomputed} entries: {len(sample.mismatched)} differ bitwise (removed), "
@@ -399,7 +314,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     from .maintenance import drop_foreign
 
-    with _engine(args, args.store) as engine:
+    with open_engine(args, args.store) as engine:
         disk = _disk_tier(engine)
         dropped = disk.drop_namespaces({engine.namespace})
         orphans = disk.remove_orphans()
@@ -457,40 +372,6 @@ def _delete_store_files(directory: Path) -> None:
             (directory / f"{name}{suffix}").unlink(missing_ok=True)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    if args.model_arg is not None:
-        args.model = args.model_arg
-    if args.max_queue < 1 or args.request_timeout_s <= 0 or args.default_max_tokens < 1:
-        raise InvalidRequestError(
-            "--max-queue and --default-max-tokens must be >= 1, --request-timeout-s > 0"
-        )
-    from .server import serve
-    from .server.auth import ApiKeys
-
-    try:  # both are checked before the model loads
-        keys = ApiKeys.gather(args.api_key, args.api_keys_file)
-        limits = ServerLimits(**{option: getattr(args, option) for option in ServerLimits.option_names()})
-    except ValueError as e:
-        raise InvalidRequestError(str(e)) from e
-    engine = _engine(args, args.store)
-    # serve() closes the engine on shutdown (flushing pending store writes)
-    serve(
-        engine,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        model_name=args.served_model_name or args.model,
-        max_queue=args.max_queue,
-        request_timeout_s=args.request_timeout_s,
-        default_max_tokens=args.default_max_tokens,
-        shutdown_grace_s=args.shutdown_grace_s,
-        api_keys=keys,
-        metrics_public=args.metrics_public,
-        limits=limits,
-    )
-    return EXIT_OK
-
-
 COMMANDS = {
     "generate": _generate,
     "prewarm": _prewarm,
@@ -499,7 +380,7 @@ COMMANDS = {
     "gc": _gc,
     "repair": _repair,
     "clear": _clear,
-    "serve": _serve,
+    "serve": serve_command,
 }
 
 

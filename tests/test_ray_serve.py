@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -188,3 +189,23 @@ def test_a_replica_killed_under_load_costs_only_its_requests_in_flight(cluster):
         time.sleep(1.0)
     else:
         pytest.fail("the killed replica was not replaced within 60 s")
+
+
+def test_the_serve_config_file_builds_the_application():
+    import yaml
+
+    from kvboost_rag.ray import app_builder
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "examples" / "ray_serve.yaml").read_text())
+    (application,) = config["applications"]
+    assert application["import_path"] == "kvboost_rag.ray:app_builder"
+    assert isinstance(app_builder(application["args"]), serve.Application)
+    with pytest.raises(ValueError, match="unknown argument"):
+        app_builder({"model": "smollm2-135m-instruct", "replica": 2})
+
+
+def test_the_cli_refuses_bad_ray_options_before_loading_anything(capsys):
+    from kvboost_rag.cli import main
+
+    assert main(["serve", "--ray", "--replicas", "0"]) == 2
+    assert "--replicas must be >= 1" in capsys.readouterr().err
