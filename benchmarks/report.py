@@ -485,6 +485,9 @@ def targets(results: dict[str, Any]) -> list[str]:
         add(*chat_target(chat))
     for row in gemma3_targets(results):
         add(*row)
+    if ray := results.get("ray_routing"):
+        for row in ray_targets(ray):
+            add(*row)
     if decode := results.get("decode"):
         one_k = [
             c
@@ -569,6 +572,58 @@ def server_section(data: dict) -> list[str]:
             f"(range {over['min']:.2f}-{over['max']:.2f}x, {over['n']} runs).",
         ]
     return lines
+
+
+def ray_section(data: dict) -> list[str]:
+    s = data["settings"]
+    lines = [
+        f"{s['replicas']} replicas of {s['model']} (one CPU and one torch thread each, a "
+        f"{s['memory_mb']} MB memory tier each), {s['clients']} clients streaming {s['documents']} "
+        f"documents x {s['questions']} questions (~{s['doc_tokens']} tokens each) and {s['chats']} chats "
+        f"of {s['turns']} turns, {s['max_tokens']} new tokens; the replicas share a disk tier, or nothing "
+        "(memory only); each routing on fresh replicas and store, rounds alternating which goes first:",
+        "",
+        "| shared tier | round | routing | from memory | from disk | computed | TTFT p50 / p95 | req/s "
+        "| failed |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in data["runs"]:
+        shares = " | ".join(f"{100 * r[k]:.0f} %" for k in ("memory_share", "disk_share", "computed_share"))
+        ttft = f"{1000 * r['ttft_p50_s']:.0f} / {1000 * r['ttft_p95_s']:.0f} ms"
+        tier = "disk" if r["shared_tier"] == "disk" else "none"
+        lines.append(
+            f"| {tier} | {r['round']} | {r['routing']} | {shares} | {ttft} | {r['req_per_s']:.2f} "
+            f"| {r['failures']} |"
+        )
+    return lines
+
+
+def ray_targets(data: dict) -> list[tuple[str, str, bool]]:
+    """Prefix affinity against power of two per shared tier, medians over the rounds of one run."""
+    rows = []
+    for tier in dict.fromkeys(r["shared_tier"] for r in data["runs"]):
+
+        def median(routing: str, key: str, tier: str = tier) -> float:
+            runs = [r[key] for r in data["runs"] if r["routing"] == routing and r["shared_tier"] == tier]
+            return statistics.median(runs)
+
+        setup = "a shared disk tier" if tier == "disk" else "no shared tier"
+        share = median("prefix", "memory_share") / max(median("pow2", "memory_share"), 1e-9)
+        ttft = (median("prefix", "ttft_p50_s"), median("pow2", "ttft_p50_s"))
+        rate = (median("prefix", "req_per_s"), median("pow2", "req_per_s"))
+        rows += [
+            (
+                f"Ray Serve, {setup}: prefix routing's memory-tier share >= 1.5x power-of-two's",
+                f"{share:.2f}x",
+                share >= 1.5,
+            ),
+            (
+                f"Ray Serve, {setup}: prefix routing's TTFT p50 lower, req/s not lower",
+                f"{1000 * ttft[0]:.0f} vs {1000 * ttft[1]:.0f} ms, {rate[0]:.2f} vs {rate[1]:.2f} req/s",
+                ttft[0] < ttft[1] and rate[0] >= rate[1],
+            ),
+        ]
+    return rows
 
 
 def float32_kv_bytes_per_token(model: str) -> int | None:
@@ -693,6 +748,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict], list[str]]]] = [
     ),
     ("concurrency", "Concurrent requests sharing a 1K-token prefix", concurrency_section),
     ("server_load", "`kvboost-rag serve` under load on loopback", server_section),
+    ("ray_routing", "Ray Serve: prefix-affinity routing against power of two", ray_section),
     ("decode", "Decode speed of one stream, speculation from the prompt, and peers", decode_section),
 ]
 
@@ -772,6 +828,8 @@ def block() -> list[str]:
                 ]
             if name == "server_load" and (BENCH / "server_load.png").exists():
                 lines += ["![The server under load](docs/benchmarks/server_load.png)", ""]
+            if name == "ray_routing" and (BENCH / "ray_routing.png").exists():
+                lines += ["![Ray Serve routing](docs/benchmarks/ray_routing.png)", ""]
     lines.append(END)
     return lines
 

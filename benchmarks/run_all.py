@@ -106,6 +106,8 @@ WORKLOADS: dict[str, tuple[list[str], list[str]]] = {
     # one stream's decode: ms/token vs the weight-read floor, HF generate (+ prompt lookup), llama.cpp
     "decode": (["decode.py"], ["decode.py", "--quick"]),
     # `kvboost-rag serve` on loopback: 8 clients for 30 s per request mix, no failures allowed
+    # Ray Serve, 2 replicas: prefix-affinity routing against power of two, the same workload
+    "ray_routing": (["ray_routing.py"], ["ray_routing.py", "--quick"]),
     "server_load": (
         ["server_load.py"],
         ["server_load.py", "--quick", "--out", str(RESULTS_DIR / "server_load-quick.json")],

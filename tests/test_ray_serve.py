@@ -95,7 +95,7 @@ def test_requests_sharing_a_document_read_it_from_the_memory_of_the_replica_that
     with httpx.Client(base_url=cluster, timeout=60) as client:
         for document in DOCUMENTS[:2]:
             first = ask(client, document + "\nWhat is it about?")
-            assert memory_tokens(first) == 0
+            assert memory_tokens(first) < 16  # at most the chat template's opening, read to the token
             prompt_tokens = first.json()["usage"]["prompt_tokens"]
             for question in ("Who wrote it?", "Why?", "Name one claim.", "Is it long?", "Summarise it."):
                 assert memory_tokens(ask(client, document + "\n" + question)) >= prompt_tokens - 32

@@ -24,7 +24,7 @@ from ..server import create_app
 from ..server.auth import ApiKeys
 from .remote_engine import RemoteEngine
 from .replica import EngineReplica, ReplicaSpec
-from .routing import Routing, router_config
+from .routing import IMBALANCED_QUEUE, Routing, router_config
 
 ENGINE_DEPLOYMENT = "KVBoostEngine"
 INGRESS_DEPLOYMENT = "KVBoostIngress"
@@ -72,6 +72,7 @@ def build_app(
     *,
     replicas: int = 2,
     routing: Routing = "prefix",
+    imbalanced_queue: int = IMBALANCED_QUEUE,
     options: IngressOptions | None = None,
     replica_cpus: float = 1.0,
     max_ongoing_requests: int = 64,
@@ -79,9 +80,11 @@ def build_app(
 ) -> Application:
     """The application: ``replicas`` engines loading ``spec``, behind the OpenAI ingress.
 
-    ``replica_cpus``: CPUs Ray reserves for each engine replica (a machine takes as many replicas
-    as it has CPUs for). ``max_ongoing_requests``: requests a replica takes at once (its batching
-    scheduler runs them together; the router sends more elsewhere or queues them).
+    ``imbalanced_queue``: with prefix routing, how many more requests the busiest replica may hold
+    than the idlest before requests go by load rather than by prefix. ``replica_cpus``: CPUs Ray
+    reserves for each engine replica (a machine takes as many replicas as it has CPUs for).
+    ``max_ongoing_requests``: requests a replica takes at once (its batching scheduler runs them
+    together; the router sends more elsewhere or queues them).
 
     >>> app = build_app(ReplicaSpec("smollm2-135m-instruct"), replicas=2)  # doctest: +SKIP
     >>> serve.run(app, name="kvboost", route_prefix="/")  # doctest: +SKIP
@@ -93,7 +96,7 @@ def build_app(
         num_replicas=replicas,
         ray_actor_options={"num_cpus": replica_cpus},
         max_ongoing_requests=max_ongoing_requests,
-        request_router_config=router_config(routing),
+        request_router_config=router_config(routing, imbalanced_queue),
         health_check_period_s=health_check_period_s,
         graceful_shutdown_timeout_s=(options or IngressOptions(spec.model)).shutdown_grace_s,
     )(EngineReplica)

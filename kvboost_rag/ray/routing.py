@@ -31,10 +31,12 @@ public one lives in ``ray.serve.llm``, whose import needs vLLM or SGLang, which 
 does not use."""
 POW2_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 
-IMBALANCED_QUEUE = 4
+IMBALANCED_QUEUE = 3
 """Past this difference between the longest and the shortest replica queue, requests go by load
-(power of two) rather than by prefix: the default of the router (no limit) lets one hot prefix take
-every request."""
+(power of two) rather than by prefix. A replica batches the requests it holds, so a few more on the
+replica that holds their prefix cost less than reading it elsewhere (``benchmarks/ray_routing.py``:
+a gap of 1 moved a third of the documents' requests to the replica without them); the router's own
+default (no limit) would let one hot prefix take every request."""
 
 
 @dataclass(frozen=True)
@@ -78,12 +80,12 @@ def _part_text(part: str | Segment | Mapping[str, Any]) -> str:
     return ""
 
 
-def router_config(routing: Routing) -> dict[str, Any]:
+def router_config(routing: Routing, imbalanced_queue: int = IMBALANCED_QUEUE) -> dict[str, Any]:
     """The deployment's ``request_router_config`` for ``routing``."""
     if routing == "prefix":
         return {
             "request_router_class": PREFIX_ROUTER,
-            "request_router_kwargs": {"imbalanced_threshold": IMBALANCED_QUEUE},
+            "request_router_kwargs": {"imbalanced_threshold": imbalanced_queue},
         }
     if routing == "pow2":
         return {"request_router_class": POW2_ROUTER}
