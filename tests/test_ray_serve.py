@@ -209,3 +209,14 @@ def test_the_cli_refuses_bad_ray_options_before_loading_anything(capsys):
 
     assert main(["serve", "--ray", "--replicas", "0"]) == 2
     assert "--replicas must be >= 1" in capsys.readouterr().err
+
+
+def test_the_router_sees_each_tenants_text_apart_and_never_the_salt():
+    from kvboost_rag import Request
+    from kvboost_rag.ray import Routed
+
+    messages = [{"role": "system", "content": "Notes."}, {"role": "user", "content": "Why?"}]
+    alice, bob, shared = (Routed.of(Request(messages, cache_salt=s)).prompt for s in ("alice", "bob", None))
+    assert shared == "Notes.\nWhy?"
+    assert alice.endswith(shared) and bob.endswith(shared) and alice != bob
+    assert "alice" not in alice and "bob" not in bob
