@@ -10,7 +10,6 @@ routes, admission queue, per-request limits, API keys and tenant salts), built o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,10 +161,8 @@ def _flag(value: Any) -> bool:
     return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
 
 
-def engine_handle(app_name: str = "default") -> DeploymentHandle:
-    """A handle on the engine deployment of a running application (its ``stats``, or requests
-    sent as :class:`.Routed`)."""
+def engine_handle(app_name: str = "kvboost") -> DeploymentHandle:
+    """A handle on the engine deployment of a running application (``kvboost``: the name that
+    ``kvboost-rag serve --ray`` and ``examples/ray_serve.yaml`` give it): its ``stats``, or
+    requests sent as :class:`.Routed`."""
     return serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name)
-
-
-__all__: Sequence[str] = ["IngressOptions", "KVBoostIngress", "app_builder", "build_app", "engine_handle"]

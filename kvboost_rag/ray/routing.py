@@ -34,9 +34,10 @@ POW2_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 IMBALANCED_QUEUE = 3
 """Past this difference between the longest and the shortest replica queue, requests go by load
 (power of two) rather than by prefix. A replica batches the requests it holds, so a few more on the
-replica that holds their prefix cost less than reading it elsewhere (``benchmarks/ray_routing.py``:
-a gap of 1 moved a third of the documents' requests to the replica without them); the router's own
-default (no limit) would let one hot prefix take every request."""
+replica that holds their prefix cost less than reading it elsewhere (``benchmarks/ray_routing.py``
+with a shared disk tier: a gap of 1 left 40-43 % of prompt tokens read from memory and 24-27 % from
+disk; a gap of 3, 54-61 % and 9-16 %); the router's own default (no limit) would let one hot prefix
+take every request."""
 
 
 @dataclass(frozen=True)
