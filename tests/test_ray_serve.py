@@ -220,3 +220,26 @@ def test_the_router_sees_each_tenants_text_apart_and_never_the_salt():
     assert shared == "Notes.\nWhy?"
     assert alice.endswith(shared) and bob.endswith(shared) and alice != bob
     assert "alice" not in alice and "bob" not in bob
+
+
+def test_a_hot_prefix_spreads_over_the_replicas_once_one_is_busy(cluster):
+    """Ten requests on one new document, 0.1 s apart, each decoding a while: the replica holding it
+    takes them until its queue is more than the bound ahead, then the other takes some (and does
+    not find the document in its memory)."""
+    document = " ".join(reversed(PARAGRAPHS[3:6]))  # asked by no other test
+    results: list[httpx.Response] = []
+
+    def one(k: int) -> None:
+        time.sleep(0.1 * k)  # queues are probed as requests arrive: a burst all sees them empty
+        with httpx.Client(base_url=cluster, timeout=120) as client:
+            results.append(ask(client, f"{document}\nHot question {k}?", max_tokens=400))
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 10 and all(r.status_code == 200 for r in results)
+    prompt_tokens = min(r.json()["usage"]["prompt_tokens"] for r in results)
+    not_in_memory = [r for r in results if memory_tokens(r) < prompt_tokens - 32]
+    assert len(not_in_memory) >= 2  # the first on each replica: one replica alone would have only one

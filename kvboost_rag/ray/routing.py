@@ -1,10 +1,13 @@
 """What the router sees of a request, and how the engine deployment is routed.
 
 Ray Serve's ``PrefixCacheAffinityRouter`` keeps a character prefix tree of the prompts each replica
-served and sends a request to the replica that served the longest prefix of its text, while the
-replicas' queues stay within ``imbalanced_threshold`` of each other (past it: power-of-two choices,
-so a hot prefix cannot pin every request to one replica). It reads a ``prompt`` or ``messages``
-attribute from the call's first argument: :class:`Routed` carries the request's text there.
+served and sends a request to the replica that served the longest prefix of its text (a new prefix
+to the replica holding the least text). It reads a ``prompt`` or ``messages`` attribute from the
+call's first argument: :class:`Routed` carries the request's text there. Its own load bound
+(``imbalanced_threshold``) reads queue lengths that lag a burst: ten requests 0.1 s apart on one
+hot prefix, each decoding 1.5 s, all went to one replica with the bound at 0. So
+:class:`BoundedPrefixRouter` keeps the bound itself, from the requests it has in flight on each
+replica: past ``imbalanced_queue``, a request goes to the least loaded replica, whatever it matches.
 
 Requests of different tenants never share stored KV, so their texts are kept apart in the tree:
 the text starts with a digest of the tenant's salt (never the salt itself).
@@ -13,9 +16,15 @@ the text starts with a digest of the tenant's salt (never the salt itself).
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+    PrefixCacheAffinityRouter,
+)
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
 from ..canonical import PromptInput, Segment
 from ..request import Request
@@ -23,12 +32,7 @@ from ..request import Request
 Routing = Literal["prefix", "pow2"]
 """``prefix``: prefix-cache affinity (the default); ``pow2``: Ray Serve's power-of-two choices."""
 
-PREFIX_ROUTER = (
-    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
-)
-"""The class behind ``ray.serve.llm.request_router.PrefixCacheAffinityRouter``, by its own module: the
-public one lives in ``ray.serve.llm``, whose import needs vLLM or SGLang, which an engine of ours
-does not use."""
+PREFIX_ROUTER = "kvboost_rag.ray.routing:BoundedPrefixRouter"
 POW2_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 
 IMBALANCED_QUEUE = 3
@@ -86,8 +90,42 @@ def router_config(routing: Routing, imbalanced_queue: int = IMBALANCED_QUEUE) ->
     if routing == "prefix":
         return {
             "request_router_class": PREFIX_ROUTER,
-            "request_router_kwargs": {"imbalanced_threshold": imbalanced_queue},
+            "request_router_kwargs": {"imbalanced_queue": imbalanced_queue},
         }
     if routing == "pow2":
         return {"request_router_class": POW2_ROUTER}
     raise ValueError(f"routing {routing!r} is not known; use 'prefix' or 'pow2'")
+
+
+class BoundedPrefixRouter(PrefixCacheAffinityRouter):
+    """Ray Serve's ``PrefixCacheAffinityRouter`` (imported from its defining module: the public
+    ``ray.serve.llm`` path needs vLLM or SGLang, which an engine of ours does not use), with the load
+    bound kept from the requests this router has sent to each replica and not seen end."""
+
+    def initialize_state(self, imbalanced_queue: int = IMBALANCED_QUEUE, **kwargs: Any) -> None:  # type: ignore[override]
+        super().initialize_state(**kwargs)  # its own bound stays off: this one decides
+        self._bound = imbalanced_queue
+        self._in_flight: dict[ReplicaID, int] = {}
+        self._lock = threading.Lock()  # results end on other threads
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> Any:
+        """Groups of replicas to try in order (Ray Serve takes the shortest queue of a group)."""
+        with self._lock:
+            loads = [self._in_flight.get(r.replica_id, 0) for r in candidate_replicas]
+        if loads and max(loads) - min(loads) > self._bound:
+            return [[r for r, load in zip(candidate_replicas, loads, strict=True) if load == min(loads)]]
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        # counted when sent, not when the replica confirms: a busy replica confirms late, and a
+        # burst would all be routed before the first confirmation
+        super().on_send_request(replica_id)
+        with self._lock:
+            self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
+
+    def decrement_queue_len_cache(self, replica_id: ReplicaID) -> None:
+        super().decrement_queue_len_cache(replica_id)  # a request sent there ended
+        with self._lock:
+            self._in_flight[replica_id] = max(self._in_flight.get(replica_id, 0) - 1, 0)
