@@ -250,3 +250,21 @@ def test_a_hot_prefix_spreads_over_the_replicas_once_one_is_busy(cluster):
     prompt_tokens = min(r.json()["usage"]["prompt_tokens"] for r in results)
     not_in_memory = [r for r in results if memory_tokens(r) < prompt_tokens - 32]
     assert len(not_in_memory) >= 2  # the first on each replica: one replica alone would have only one
+
+
+def test_replicas_read_store_secrets_where_they_run_never_from_the_spec(tmp_path, monkeypatch):
+    from kvboost_rag.errors import InvalidRequestError
+
+    secret, previous = tmp_path / "secret", tmp_path / "previous"
+    secret.write_text("s3cret\n")
+    previous.write_text("old-1\n\nold-2\n")
+    spec = ReplicaSpec("tiny", store_secret_file=str(secret), store_previous_secret_file=str(previous))
+    config = spec.engine_config()
+    assert config.store_secret.get_secret_value() == "s3cret"
+    assert [s.get_secret_value() for s in config.store_previous_secrets] == ["old-1", "old-2"]
+    monkeypatch.setenv("KVBOOST_STORE_SECRET", "from-env")
+    assert ReplicaSpec("tiny").engine_config().store_secret.get_secret_value() == "from-env"
+    with pytest.raises(ValueError, match="do not travel"):
+        ReplicaSpec("tiny", engine={"store_secret": "s3cret"})
+    with pytest.raises(InvalidRequestError, match="cannot read the store secret file"):
+        ReplicaSpec("tiny", store_secret_file=str(tmp_path / "missing")).engine_config()

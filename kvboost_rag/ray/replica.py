@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Final
 
 import torch
 
+from ..cli_store import previous_secrets, store_secret
 from ..config import EngineConfig
 from ..engine import KVBoostEngine
 from ..results import GenerationResult, StreamChunk
@@ -54,21 +56,20 @@ class ReplicaSpec:
             )
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1 (got {self.torch_threads}); or None")
-        self.engine_config()  # bad settings fail here, not on every replica
+        EngineConfig.model_validate(dict(self.engine))  # bad settings fail here, not on every replica
 
     def engine_config(self) -> EngineConfig:
-        """The engine settings, with the secrets read where this runs."""
+        """The engine settings, with the store secrets read where this runs (as the CLI reads them)."""
         settings = dict(self.engine)
-        secret = _read(self.store_secret_file) or _secret_from_environment()
+        where = SimpleNamespace(
+            store_secret_file=self.store_secret_file or os.environ.get("KVBOOST_STORE_SECRET_FILE"),
+            store_previous_secret_file=self.store_previous_secret_file
+            or os.environ.get("KVBOOST_STORE_PREVIOUS_SECRETS_FILE"),
+        )
+        secret = store_secret(where)  # type: ignore[arg-type]  # the two attributes it reads
         if secret is not None:
             settings["store_secret"] = secret
-            previous = _read(self.store_previous_secret_file)
-            listed = (
-                previous.splitlines()
-                if previous
-                else os.environ.get("KVBOOST_STORE_PREVIOUS_SECRETS", "").split(",")
-            )
-            settings["store_previous_secrets"] = [s.strip() for s in listed if s.strip()]
+            settings["store_previous_secrets"] = previous_secrets(where)  # type: ignore[arg-type]
         return EngineConfig.model_validate(settings)
 
     def load(self) -> KVBoostEngine:
@@ -78,22 +79,6 @@ class ReplicaSpec:
         return KVBoostEngine.from_pretrained(
             self.model, dtype=self.dtype, store_dir=self.store_dir, config=config
         )
-
-
-def _read(path: str | None) -> str | None:
-    if not path:
-        return None
-    try:
-        with open(os.path.expanduser(path), encoding="utf-8") as f:
-            return f.read().strip()
-    except OSError as e:
-        raise ValueError(f"cannot read {path!r} on this node ({e.strerror or e}); every node needs it") from e
-
-
-def _secret_from_environment() -> str | None:
-    return (
-        _read(os.environ.get("KVBOOST_STORE_SECRET_FILE")) or os.environ.get("KVBOOST_STORE_SECRET") or None
-    )
 
 
 class EngineReplica:
