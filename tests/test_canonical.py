@@ -298,8 +298,9 @@ def test_the_memos_hold_a_bounded_number_of_characters():
     canon = Canonicalizer(tiny_tokenizer(), memo_chars=10_000)
     for i in range(200):
         canon.canonicalize([{"role": "user", "content": f"{i} " + "fox " * 100}])
-    assert canon._memo.chars <= 10_000 and canon._render_memo.chars <= 10_000
-    assert len(canon._memo) > 1  # still memoising
+    tokens, renders = canon._tokens._memo, canon._chat._memo
+    assert tokens.chars <= 10_000 and renders.chars <= 10_000
+    assert len(tokens) > 1  # still memoising
 
 
 def test_non_text_block_raises(canon):

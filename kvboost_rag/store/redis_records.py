@@ -9,12 +9,27 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..registry import ANCHOR_CHARS, Source
 
-if TYPE_CHECKING:
-    from .redis import RedisStore
+
+class RecordTier(Protocol):
+    """What the records need of the tier that keeps them: the record methods of
+    :class:`~.redis.RedisStore` (named here, not imported, so this module does not depend on it)."""
+
+    @property
+    def registry_refresh_s(self) -> float:
+        """Seconds between two reads of the shared document list."""
+        ...
+
+    def add_documents(self, texts: Sequence[str]) -> None: ...
+
+    def documents_from(self, start: int) -> tuple[int, list[str]] | None: ...
+
+    def add_sources(self, sources: Mapping[str, Source]) -> None: ...
+
+    def sources(self, content_keys: Sequence[str]) -> dict[str, Source]: ...
 
 
 class RedisRecords:
@@ -27,7 +42,7 @@ class RedisRecords:
     ``max_bytes`` (a document whose KV is gone is simply a miss and computed again).
     """
 
-    def __init__(self, store: RedisStore) -> None:
+    def __init__(self, store: RecordTier) -> None:
         self._store = store
         self._cursor = 0  # how much of the shared document list this process has read
         self._next_poll = 0.0

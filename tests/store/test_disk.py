@@ -737,7 +737,7 @@ def test_an_unreadable_payload_is_a_counted_and_logged_miss(store, monkeypatch, 
     def refused(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("kvboost_rag.store.disk.open", refused, raising=False)  # as a 0000 file would
+    monkeypatch.setattr("kvboost_rag.store.disk_files.open", refused, raising=False)  # as a 0000 file would
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert store.get(key(1)) is None
     assert disk_stats(store).extra["unreadable"] == 1
