@@ -1,11 +1,14 @@
 """TTFT vs prompt length on SmolLM2, kvboost-rag next to what a user would run instead.
 
 A document of N tokens and a question; per repetition, back to back on the same tokens:
-- kvboost cold (empty store, writes included); warm from memory (the document stored, a new
-  ~20-token question computed); extended (the stored prompt with a few words added to its
-  question: the tokens it shares with the stored question are reused, the few new ones
-  computed); full hit (the extended prompt again); warm from disk (memory tier emptied: the
-  document is read from the disk tier, another new question computed);
+- kvboost cold (empty store, writes included); extended (the prompt just answered with a few words
+  added to its question, as llama.cpp's context holds it: the engine goes on from that request's
+  held context and computes the few new tokens); full hit (the extended prompt again); then
+  through the store tiers alone (held contexts dropped first): warm from memory (the document
+  stored, a new ~20-token question computed), extended from the store (a stored prompt, not the
+  last one, with words added: the tokens it shares with a stored chunk are laid, the new ones
+  computed), warm from disk (memory tier emptied: the document is read from the disk tier,
+  another new question computed);
 - plain HF prefill, and transformers' prompt reuse (a prefilled DynamicCache copied per request);
 - llama.cpp on the Q4_1 GGUF of the same model (when llama-cpp-python is installed): cold,
   warm from its context (in-memory prefix reuse), warm from its ``LlamaDiskCache``.
@@ -49,6 +52,11 @@ def question(rep: int, k: int) -> str:
     return QUESTIONS[(rep + k) % len(QUESTIONS)] + f" ({rep})"
 
 
+def through_the_store(engine: KVBoostEngine) -> None:
+    """Drop the engine's held contexts: its next request reads what it shares through the store tiers."""
+    engine.core.held.clear()
+
+
 def lay_seconds(engine: KVBoostEngine, prompt: list[Segment]) -> float:
     """Seconds to lay ``prompt``'s stored chunks into a fresh cache (what a warm request reads)."""
     core = engine.core
@@ -80,6 +88,7 @@ def bench_dtype(
             "cold",
             "warm_memory",
             "warm_extend",
+            "warm_extend_store",
             "warm_disk",
             "full_hit",
             "hf_prefix_reuse",
@@ -116,24 +125,37 @@ def bench_dtype(
                 times["plain_prefill"].append(timed(plain_prefill, model, ids))
                 memory.clear()
                 disk.clear()
+                through_the_store(engine)
                 cold = engine.generate(prompt, max_new_tokens=1)
                 times["cold"].append(cold.timings.ttft_s)
                 prompt_tokens = cold.usage.prompt_tokens
                 engine.store.flush()
-                # a new question over the stored document: its ~20 tokens computed
+                # the prompt just answered with words added (llama.cpp's context holds it too): the
+                # engine goes on from that request's cache, only the tokens after it computed
+                extend_prompt = [Segment(doc, "document"), Segment(q + " Again.")]
+                extended = engine.generate(extend_prompt, max_new_tokens=1)
+                assert extended.usage.recomputed_tokens < 8, extended.usage
+                assert extended.usage.cached_tokens_by_tier.get("context", 0) > 0, extended.usage
+                times["warm_extend"].append(extended.timings.ttft_s)
+                full = engine.generate(extend_prompt, max_new_tokens=1)
+                assert full.usage.cached_tokens == full.usage.prompt_tokens
+                times["full_hit"].append(full.timings.ttft_s)
+                # through the store alone: a new question over the stored document, its ~20 tokens computed
+                through_the_store(engine)
                 warm_prompt = [Segment(doc, "document"), Segment(question(r, 2))]
                 warm = engine.generate(warm_prompt, max_new_tokens=1)
                 assert warm.usage.cached_tokens_by_tier.get("memory", 0) > 0, warm.usage
                 times["warm_memory"].append(warm.timings.ttft_s)
                 times["lay"].append(lay_seconds(engine, warm_prompt))
-                # the stored prompt with words added: only the tokens after the shared ones computed
-                extend_prompt = [Segment(doc, "document"), Segment(q + " Again.")]
-                extended = engine.generate(extend_prompt, max_new_tokens=1)
+                # a stored prompt (not the last one) with words added: the shared tokens laid from the store
+                through_the_store(engine)
+                extended = engine.generate(
+                    [Segment(doc, "document"), Segment(q + " Once more.")], max_new_tokens=1
+                )
                 assert extended.usage.recomputed_tokens < 8, extended.usage
-                times["warm_extend"].append(extended.timings.ttft_s)
-                full = engine.generate(extend_prompt, max_new_tokens=1)
-                assert full.usage.cached_tokens == full.usage.prompt_tokens
-                times["full_hit"].append(full.timings.ttft_s)
+                assert "context" not in extended.usage.cached_tokens_by_tier, extended.usage
+                times["warm_extend_store"].append(extended.timings.ttft_s)
+                through_the_store(engine)
                 memory.clear()
                 from_disk = engine.generate(  # another new question: the document read from the disk tier
                     [Segment(doc, "document"), Segment(question(r, 3))],
@@ -213,7 +235,8 @@ PLOT_LABELS = [
     ("llama_cpp_memory", "llama.cpp context reuse"),
     ("llama_cpp_disk", "llama.cpp LlamaDiskCache"),
     ("warm_memory", "kvboost warm (memory)"),
-    ("warm_extend", "kvboost extended prompt (memory)"),
+    ("warm_extend", "kvboost extended prompt (held context)"),
+    ("warm_extend_store", "kvboost extended prompt (store)"),
     ("warm_disk", "kvboost warm (disk)"),
     ("full_hit", "kvboost full hit"),
 ]

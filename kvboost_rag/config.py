@@ -222,6 +222,14 @@ class EngineConfig(BaseModel):
     """Keep the final-position logits with the last chunk of each prompt, so that a repeated
     prompt needs no forward pass at all before its first token."""
 
+    held_context_tokens: int = Field(default=8192, ge=0)
+    """Most tokens of the last exact requests' caches kept in memory (newest first), so that a
+    request that continues one (the next turn of a chat or an agent loop, a prompt extended by a
+    few words, a new question after the same documents) goes on from it, as llama.cpp goes on from
+    its context: what it shares is not laid from the store again, only what follows is computed,
+    with the same bits. Counted in ``usage.cached_tokens_by_tier["context"]``; 0 keeps none. About
+    23 KiB a token for SmolLM2-135M in bfloat16, on top of ``max_memory_bytes``."""
+
     @property
     def store_secrets_bytes(self) -> tuple[bytes, ...]:
         """Every secret the tiers verify with, the one they sign with first (none: unsigned)."""

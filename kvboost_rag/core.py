@@ -18,6 +18,7 @@ from .canonical import Canonicalizer, CanonicalPrompt, PromptInput
 from .config import EngineConfig
 from .errors import ContextWindowExceededError
 from .fingerprint import model_fingerprint, tokenizer_fingerprint
+from .held_context import HeldContexts
 from .keys import Chunk, make_namespace, plan_chunks, salted
 from .prefix_index import PrefixIndex
 from .registry import DocumentRegistry
@@ -45,6 +46,8 @@ class EngineCore:
     prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
     """The stored chunks this engine has seen, by parent key: prefills reuse a missing chunk's
     leading tokens from them."""
+    held: HeldContexts = field(default_factory=lambda: HeldContexts(0))
+    """The caches of the last exact requests, for requests that continue them."""
     _shifter: RopeShifter | None = None
 
     @property

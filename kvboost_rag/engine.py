@@ -25,6 +25,7 @@ from .core import EngineCore, eos_ids, namespace_of
 from .errors import KVBoostError, UnsupportedModelError
 from .followups import FollowUps
 from .generation import CancellableStream, Generation, OnDelta, Prepared, ScheduledStream
+from .held_context import HeldContexts
 from .invariance import choose_schedule, schedule_note, schedule_stats
 from .models import load_model
 from .registry import DocumentRegistry
@@ -94,6 +95,7 @@ class KVBoostEngine:
             self.chunk_size,
             schedule_note(self.invariance, self.assembler.invariant, self.chunk_size),
             eos_ids(model, tokenizer),
+            held=HeldContexts(self.config.held_context_tokens),
         )
         self._followups = FollowUps(name="kvboost-reply-store")
         self.generation = Generation(self.core, self._followups)
@@ -309,12 +311,14 @@ class KVBoostEngine:
 
     def stats(self) -> dict[str, Any]:
         """Per-tier counters (hits, misses, puts, evictions, entries, bytes, pinned, hit rate), the number
-        of registered documents, and ``reuse``: the prefill schedule, chunk size and probe result."""
+        of registered documents, ``reuse``: the prefill schedule, chunk size and probe result, and
+        ``context``: the held contexts (:attr:`EngineConfig.held_context_tokens`)."""
         out: dict[str, Any] = {
             name: vars(s) | {"hit_rate": s.hit_rate} for name, s in self.store.stats().items()
         }
         out["documents"] = len(self.registry)
         out["reuse"] = schedule_stats(self.invariance, self.assembler.invariant, self.chunk_size)
+        out["context"] = self.core.held.stats()
         return out
 
     def flush(self) -> None:

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from transformers.cache_utils import Cache
 
+from .assembler.buffered_cache import BufferedCache
 from .async_stream import END, Delivery
 from .batch import BatchRow, RowOutput, RunningBatch
 from .blend import blend_prefill
@@ -312,6 +313,17 @@ class Generation:
         salt = prepared.request.cache_salt
         return store_reply_from_cache(self.core, messages, text, salt, cache, cache_ids)
 
+    def _hold(
+        self, prepared: Prepared, prefill: PrefillOutcome | None, cache: Cache, cache_ids: Sequence[int]
+    ) -> None:
+        """Keep an exact request's ``cache`` (KV with a prefill's bits for ``cache_ids``) for a request
+        that continues it (:mod:`.held_context`); KV from a lossy store codec is never held."""
+        if prepared.mode != "exact" or prefill is None or prefill.approx_tokens:
+            return
+        if isinstance(cache, BufferedCache):
+            namespace = salted(self.core.namespace, prepared.request.cache_salt)
+            self.core.held.keep(namespace, cache_ids, cache)
+
     def _follow_up(self, prepared: Prepared, result: GenerationResult) -> None:
         """Queue storing a chat reply as the next turn will render it, by a re-prefill once the
         engine is idle (see ``EngineConfig.store_replies``): for replies whose KV does not have a
@@ -398,9 +410,10 @@ class Generation:
                 break
         stepper.settle()
         tail = text.finish()
-        reply_stored = stepper.exact and self._store_reply_now(
-            prepared, text.text, out.cache, [*canonical.token_ids, *text.ids[: stepper.position - n_prompt]]
-        )
+        cache_ids = [*canonical.token_ids, *text.ids[: stepper.position - n_prompt]]
+        reply_stored = stepper.exact and self._store_reply_now(prepared, text.text, out.cache, cache_ids)
+        if stepper.exact:
+            self._hold(prepared, out, out.cache, cache_ids)
         t0 = prepared.submitted_at
         ttft = (first_token_at - t0) if first_token_at else 0.0
         timings = Timings(ttft, time.perf_counter() - t0, prefill_s, out.select_s)
@@ -425,6 +438,7 @@ class Generation:
         """The prompt's cache: exact (through the store when ``reuse``), or blended."""
         core, canonical = self.core, prepared.canonical
         n_prompt, capacity = len(canonical), len(canonical) + prepared.max_new_tokens
+        namespace = salted(core.namespace, prepared.request.cache_salt)
         if not chunked:  # plain generation: one forward over the whole prompt through the model's own cache
             chunks = [Chunk(0, n_prompt, "")]
         else:
@@ -438,13 +452,14 @@ class Generation:
                     chunks,
                     store=core.store,
                     registry=core.registry,
-                    namespace=salted(core.namespace, prepared.request.cache_salt),
+                    namespace=namespace,
                     settings=core.blend_settings(prepared.request.blend_recompute_ratio),
                     capacity=capacity,
                     store_last_logits=core.config.store_last_logits,
                     stop=cancel,
                 )
         else:
+            exact = prepared.mode == "exact" and reuse and chunked and core.assembler.invariant
             out = core.prefill(
                 canonical.token_ids,
                 chunks,
@@ -453,6 +468,7 @@ class Generation:
                 store_last_logits=core.config.store_last_logits,
                 reusable=chunked,
                 stop=cancel,
+                held=core.held.take(namespace, canonical.token_ids) if exact else None,
             )
             if reuse and chunked:
                 out.unused_document_tokens = unused_document_tokens(
@@ -460,7 +476,7 @@ class Generation:
                     sum(out.cached_by_tier.values()),
                     None,
                     registry=core.registry,
-                    namespace=salted(core.namespace, prepared.request.cache_salt),
+                    namespace=namespace,
                 )
         self.unused.tell(prepared.mode, out.unused_document_tokens)
         return out
@@ -584,6 +600,8 @@ class DecodingBatch:
             and out.exact_cache is not None
             and self._generation._store_reply_now(prepared, outcome.text, out.exact_cache, out.cache_ids)
         )
+        if isinstance(outcome, GenerationResult) and out.exact_cache is not None:
+            self._generation._hold(prepared, row.prefix, out.exact_cache, out.cache_ids)
         self._settle(prepared, hooks, outcome, reply_stored=reply_stored)
 
     def _settle(

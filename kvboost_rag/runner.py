@@ -24,7 +24,9 @@ import torch
 from transformers.cache_utils import Cache
 
 from .assembler import Assembler
+from .assembler.buffered_cache import BufferedCache
 from .busy import prefill_in_progress
+from .held_context import TIER as HELD_TIER
 from .keys import Chunk
 from .prefix_index import PrefixIndex
 from .store.base import Hit, KVStore, StoredChunk
@@ -96,12 +98,15 @@ class CacheFiller:
         need_logits: bool = True,
         store_last_logits: bool = True,
         until: Callable[[int], bool] | None = None,
+        held_tokens: int = 0,
     ) -> tuple[torch.Tensor | None, int | None]:
         """Lay each run of stored chunks, compute each run of missing ones; the last token's logits.
 
         ``until(i)``, asked of each chunk that is not laid from the store, ends the walk before
-        chunk ``i`` when true; the second value is then ``i`` (else None).
+        chunk ``i`` when true; the second value is then ``i`` (else None). ``held_tokens``: the
+        cache holds the prompt's first tokens already (a held context), fewer than all of them.
         """
+        assert until is None or not held_tokens
         chunks, store, assembler = self.chunks, self.store, self.assembler
         last = len(chunks) - 1
         logits: torch.Tensor | None = None
@@ -109,7 +114,12 @@ class CacheFiller:
         missing: int | None = None  # first chunk of a run not computed yet
         laid = 0  # leading tokens of chunk ``missing`` laid from a chunk that shares them
         stopped_at: int | None = None
-        for i, chunk in enumerate(chunks):
+        begin, partial = self._resume(held_tokens)
+        for i in range(begin, len(chunks)):
+            chunk = chunks[i]
+            if i == begin and partial:  # its leading tokens are in the cache: the rest is computed
+                missing, laid = i, partial
+                continue
             hit = store.get(chunk.key) if store is not None else None
             if hit is not None:
                 self._learn(chunk, hit.chunk)
@@ -141,6 +151,22 @@ class CacheFiller:
             logits is not None or not need_logits
         )  # chunks is never empty: the canonicalizer refuses empty prompts
         return logits, stopped_at
+
+    def _resume(self, held_tokens: int) -> tuple[int, int]:
+        """The first chunk to walk when the cache holds the prompt's first ``held_tokens`` already,
+        and how many leading tokens of it stay in the cache. A stored chunk is laid whole instead
+        (it may keep the prompt's last logits, and laying it costs less than computing the rest)."""
+        if not held_tokens:
+            return 0, 0
+        begin = next(i for i, c in enumerate(self.chunks) if c.end > held_tokens)
+        chunk = self.chunks[begin]
+        partial = held_tokens - chunk.start
+        if partial and self.store is not None and self.store.contains(chunk.key):
+            assert isinstance(self.cache, BufferedCache)  # held contexts are buffered caches
+            self.cache.truncate(chunk.start)
+            partial = 0
+        self.cached[HELD_TIER] += chunk.start + partial
+        return begin, partial
 
     def lay_with_shared(self, hits: Sequence[Hit], i: int, final: bool) -> int:
         """Lay ``hits``, then the leading tokens that chunk ``i`` (missing by key) shares with a chunk
@@ -265,6 +291,7 @@ def prefill(
     step_tokens: int | None = None,
     stop: threading.Event | None = None,
     index: PrefixIndex | None = None,
+    held: tuple[BufferedCache, int] | None = None,
 ) -> PrefillOutcome:
     """Fill a cache with ``token_ids`` along ``chunks``, reading what ``store`` holds and storing the rest.
 
@@ -273,10 +300,19 @@ def prefill(
     of one forward in split-invariant mode (memory), at no cost to exactness. Once ``stop``
     is set, the prefill raises ``CancelledError`` at its next layer; what it stored stays valid.
     With an ``index``, a chunk that misses by key reuses the tokens it shares with a stored one
-    (see :class:`CacheFiller`).
+    (see :class:`CacheFiller`). ``held``: a cache that holds the first tokens of ``token_ids``
+    already, and how many (a held context, :mod:`.held_context`); the prefill goes on from it.
     """
-    cache = assembler.new_cache(capacity, reusable=reusable, stop=stop)
+    held_tokens = 0
+    cache: Cache
+    if held is not None:
+        held[0].stop_on(stop)
+        cache, held_tokens = held
+    else:
+        cache = assembler.new_cache(capacity, reusable=reusable, stop=stop)
     filler = CacheFiller(assembler, token_ids, chunks, cache, store, step_tokens, index=index)
     with holding_writes(assembler):
-        logits, _ = filler.fill(need_logits=need_logits, store_last_logits=store_last_logits)
+        logits, _ = filler.fill(
+            need_logits=need_logits, store_last_logits=store_last_logits, held_tokens=held_tokens
+        )
     return PrefillOutcome(cache, logits, filler.cached, filler.recomputed, filler.stored, filler.approx)

@@ -37,7 +37,7 @@ def same(a, b):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cold_partial_full_hits_are_bitwise_identical(arch, dtype, schedule):
     model, tok = tiny_model(arch, dtype), tiny_tokenizer()
-    cfg = EngineConfig(chunk_size=16, prefill_schedule=schedule)
+    cfg = EngineConfig(chunk_size=16, prefill_schedule=schedule, held_context_tokens=0)  # through the store
     uncached = run(KVBoostEngine(model, tok, config=cfg.model_copy(update={"reuse": "off"})), prompt())
     assert uncached.usage.cached_tokens == 0 and uncached.usage.stored_tokens == 0
 
@@ -67,7 +67,10 @@ def test_cold_partial_full_hits_are_bitwise_identical(arch, dtype, schedule):
 def test_holes_in_the_middle_are_recomputed_exactly(arch, schedule):
     """A chunk missing in the middle is recomputed; the chunks after it are still reused, bit for bit."""
     model, tok = tiny_model(arch), tiny_tokenizer()
-    engine = KVBoostEngine(model, tok, config=EngineConfig(chunk_size=16, prefill_schedule=schedule))
+    config = EngineConfig(
+        chunk_size=16, prefill_schedule=schedule, held_context_tokens=0
+    )  # through the store
+    engine = KVBoostEngine(model, tok, config=config)
     cold = run(engine, prompt())
     chunks = engine.core.chunks(engine.canonicalize(prompt()))
     engine.store.remove(chunks[2].key)
@@ -118,7 +121,7 @@ def test_last_chunk_without_logits_is_recomputed(schedule):
     """A prompt whose every chunk is stored, but not as a final chunk, recomputes its last token
     (split-invariant forward) or its last chunk (canonical schedule)."""
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    cfg = EngineConfig(chunk_size=16, prefill_schedule=schedule)
+    cfg = EngineConfig(chunk_size=16, prefill_schedule=schedule, held_context_tokens=0)  # through the store
     engine = KVBoostEngine(model, tok, config=cfg)
     longer = run(engine, prompt())
     shorter_prompt = prompt()[:-1]

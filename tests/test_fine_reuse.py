@@ -19,7 +19,8 @@ CHUNK = 16  # small chunks: many chunk boundaries inside short test prompts
 
 
 def engine_for(model, tok, **config) -> KVBoostEngine:
-    return KVBoostEngine(model, tok, config=EngineConfig(chunk_size=CHUNK, **config))
+    """An engine without held contexts: warm requests read through the store (see test_held_context.py)."""
+    return KVBoostEngine(model, tok, config=EngineConfig(chunk_size=CHUNK, held_context_tokens=0, **config))
 
 
 def first(engine: KVBoostEngine, prompt, **kw):
@@ -79,7 +80,7 @@ def test_every_share_of_hits_and_every_tier_gives_the_same_bits(arch, dtype, tmp
         hit = first(engine, messages)
         assert 0 < hit.usage.cached_tokens < hit.usage.prompt_tokens or isinstance(partial, str)
         assert_bitwise(hit, reference)
-    config = EngineConfig(chunk_size=CHUNK, store_replies=False)
+    config = EngineConfig(chunk_size=CHUNK, store_replies=False, held_context_tokens=0)  # through the store
     with KVBoostEngine(model, tok, config=config, store_dir=tmp_path) as writer:
         cold = first(writer, messages)
         assert cold.usage.cached_tokens == 0

@@ -96,8 +96,10 @@ def ask(client: httpx.Client, content: str, *, key: str = KEYS[0], max_tokens: i
 
 
 def memory_tokens(response: httpx.Response) -> int:
+    """Prompt tokens read from the serving replica's memory: its memory tier or its held contexts."""
     assert response.status_code == 200, response.text
-    return response.json()["kvboost"]["cached_tokens_by_tier"].get("memory", 0)
+    tiers = response.json()["kvboost"]["cached_tokens_by_tier"]
+    return tiers.get("memory", 0) + tiers.get("context", 0)
 
 
 def test_requests_sharing_a_document_read_it_from_the_memory_of_the_replica_that_holds_it(cluster):

@@ -26,7 +26,8 @@ def text_of(tok, n_tokens: int, skip: int = 0) -> str:
 
 
 def engine_for(model, tok) -> KVBoostEngine:
-    return KVBoostEngine(model, tok, config=EngineConfig(chunk_size=64))
+    """An engine without held contexts: warm requests read through the store."""
+    return KVBoostEngine(model, tok, config=EngineConfig(chunk_size=64, held_context_tokens=0))
 
 
 def test_windowed_attention_is_transformers_window_and_split_invariant():
@@ -172,7 +173,7 @@ def test_cold_partial_and_full_hits_past_the_window_are_bitwise_identical(arch, 
     """Contract 2 on hybrid models: 0 %, partial and full hits, from memory or (a new engine) disk."""
     model, tok = tiny_model(arch, dtype), tiny_tokenizer()
     prompt = segments(tok)
-    config = EngineConfig(chunk_size=64)
+    config = EngineConfig(chunk_size=64, held_context_tokens=0)  # through the store
 
     def engine(store: str) -> KVBoostEngine:
         return KVBoostEngine(

@@ -16,7 +16,8 @@ CHUNK = 16
 
 
 def engine_for(model, tok, **config) -> KVBoostEngine:
-    return KVBoostEngine(model, tok, config=EngineConfig(chunk_size=CHUNK, **config))
+    """An engine without held contexts: warm requests read through the store (see test_held_context.py)."""
+    return KVBoostEngine(model, tok, config=EngineConfig(chunk_size=CHUNK, held_context_tokens=0, **config))
 
 
 def answer(engine: KVBoostEngine, prompt: PromptInput, **settings):

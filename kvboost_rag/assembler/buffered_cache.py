@@ -232,6 +232,12 @@ class BufferedCache(DynamicCache):
         for layer in buffered_layers(self):
             layer.restore_dropped()
 
+    def stop_on(self, stop: threading.Event | None) -> None:
+        """Forwards over this cache raise ``CancelledError`` at their next layer once ``stop`` is set
+        (None: never); a cache that goes on to serve another request takes that request's."""
+        for layer in buffered_layers(self):
+            layer.stop = stop
+
     def key_starts(self) -> list[int]:
         """The position in slot 0 of each layer."""
         return [layer.start for layer in buffered_layers(self)]
