@@ -40,9 +40,10 @@ def ttft_section(data: dict) -> list[str]:
     head += ["llama.cpp cold"] if llama else []
     extend = "warm_extend" in rows[0]
     head += ["HF DynamicCache copy", "kvboost warm (memory)"]
+    held = "warm_extend_store" in rows[0]  # runs that measure both ways of extending a prompt
     head += ["llama.cpp context reuse"] if llama else []
-    head += ["kvboost extended prompt (held context)"] if extend else []
-    head += ["kvboost extended prompt (store)"] if "warm_extend_store" in rows[0] else []
+    head += [f"kvboost extended prompt{' (held context)' if held else ''}"] if extend else []
+    head += ["kvboost extended prompt (store)"] if held else []
     head += ["kvboost warm (disk)"] + (["llama.cpp LlamaDiskCache"] if llama else [])
     head += ["kvboost full hit"]
     lines = [f"| {' | '.join(head)} |", "|" + "---:|" * len(head)]
@@ -55,7 +56,7 @@ def ttft_section(data: dict) -> list[str]:
             "warm_memory",
             *(["llama_cpp_memory"] if llama else []),
             *(["warm_extend"] if extend else []),
-            *(["warm_extend_store"] if "warm_extend_store" in rows[0] else []),
+            *(["warm_extend_store"] if held else []),
             "warm_disk",
             *(["llama_cpp_disk"] if llama else []),
             "full_hit",
