@@ -14,7 +14,9 @@ HTTP:
 Per routing (``prefix``: Ray's ``PrefixCacheAffinityRouter`` with the queue-imbalance bound;
 ``pow2``: Ray's default), each on a fresh store and fresh replicas, rounds alternating which goes
 first: the share
-of prompt tokens read from a replica's memory tier, the disk tier and computed; TTFT (first
+of prompt tokens read from a replica's memory (its memory tier, or the held context of a request
+it served: ``--held-context-tokens`` each, the last request's by default, so a replica's memory
+stays about half of the documents' KV), the disk tier and computed; TTFT (first
 content delta at the client) p50/p95; requests per second; failures.
 Before each measured run every replica answers a few unrelated warm-up requests.
 
@@ -138,7 +140,7 @@ def run_routing(
     spec = ReplicaSpec(
         args.model,
         store_dir=store,
-        engine={"max_memory_bytes": args.memory_mb * 2**20},
+        engine={"max_memory_bytes": args.memory_mb * 2**20, "held_context_tokens": args.held_context_tokens},
         torch_threads=1,
     )
     app = build_app(
@@ -201,6 +203,11 @@ def run_routing(
     return summarize(routing, samples, elapsed) | {"shared_tier": shared}
 
 
+def in_memory(tiers: dict[str, int]) -> int:
+    """Prompt tokens a replica read from its memory: its memory tier and its held contexts."""
+    return tiers.get("memory", 0) + tiers.get("context", 0)
+
+
 def summarize(routing: str, samples: list[Sample], elapsed_s: float) -> dict[str, Any]:
     ok = [s for s in samples if s.status == 200]
     prompt = sum(s.prompt_tokens for s in ok) or 1
@@ -215,8 +222,7 @@ def summarize(routing: str, samples: list[Sample], elapsed_s: float) -> dict[str
         if mine:
             by_kind[kind] = {
                 "requests": len(mine),
-                "memory_share": sum(s.tiers.get("memory", 0) for s in mine)
-                / sum(s.prompt_tokens for s in mine),
+                "memory_share": sum(in_memory(s.tiers) for s in mine) / sum(s.prompt_tokens for s in mine),
                 "ttft_p50_s": statistics.median(s.ttft_s for s in mine),
             }
     return {
@@ -226,7 +232,8 @@ def summarize(routing: str, samples: list[Sample], elapsed_s: float) -> dict[str
         "elapsed_s": elapsed_s,
         "req_per_s": len(ok) / elapsed_s,
         "prompt_tokens": prompt,
-        "memory_share": tiers.get("memory", 0) / prompt,
+        "memory_share": in_memory(tiers) / prompt,
+        "context_share": tiers.get("context", 0) / prompt,
         "disk_share": tiers.get("disk", 0) / prompt,
         "computed_share": 1 - sum(tiers.values()) / prompt,
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
@@ -278,6 +285,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--memory-mb", type=int, default=48, help="each replica's memory tier")
+    parser.add_argument(
+        "--held-context-tokens",
+        type=int,
+        default=1024,
+        help="each replica's held contexts (the last request's)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="each routing once per round")
     parser.add_argument("--routings", nargs="+", default=["prefix", "pow2"], choices=["prefix", "pow2"])
     parser.add_argument("--shared-tiers", nargs="+", default=["disk", "none"], choices=["disk", "none"])

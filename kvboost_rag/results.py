@@ -21,8 +21,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = 0
-    """Prompt tokens read exactly from the store, all tiers."""
+    """Prompt tokens read exactly: from the store, all tiers, and from a held context."""
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    """``cached_tokens`` by where they came from: a store tier (``"memory"``, ``"disk"``, ``"redis"``)
+    or ``"context"``, the held cache of an earlier request (:attr:`EngineConfig.held_context_tokens`)."""
     approx_tokens: int = 0
     """Prompt tokens reused approximately (blend mode); 0 in exact mode."""
     blended_tokens: int = 0
