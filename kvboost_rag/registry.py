@@ -1,15 +1,7 @@
-"""Document registry: find pre-warmed documents inside flat prompts.
+"""Document registry: the pre-warmed documents, and where blend finds their passages.
 
-Frameworks often hand the model one string with the retrieved documents pasted
-in. Pre-warming registers each document's canonical text; at query time the
-registry finds registered documents inside a text and splits it so that each
-document becomes its own segment, exactly as it was pre-warmed.
-
-Matching is exact: only identical canonical text matches. Each document is
-indexed by its first :data:`ANCHOR_CHARS` characters; a prompt is scanned once,
-one dictionary probe per position, and every anchor hit is confirmed with a
-full comparison. Documents shorter than the anchor are not found in flat text
-(pass them as explicit segments instead).
+Pre-warming registers each document's canonical text; the engine's stats and the CLI count them.
+Documents shorter than :data:`MIN_DOCUMENT_CHARS` are not registered (a phrase, not a document).
 
 For blend reuse the registry also keeps *sources*: for the content key of each
 stored document chunk, the prefix key it is stored under and the position it
@@ -33,14 +25,10 @@ from typing import NamedTuple, Protocol
 
 from .errors import DamagedStoreError
 
-ANCHOR_CHARS = 32
+MIN_DOCUMENT_CHARS = 32
+"""Texts shorter than this are not registered as documents."""
 LOOKUP_BATCH = 500
 """Content keys per SQLite query (under SQLite's bound on query parameters)."""
-
-
-class Match(NamedTuple):
-    start: int
-    end: int
 
 
 class Source(NamedTuple):
@@ -70,15 +58,13 @@ class SharedRecords(Protocol):
 
 
 class DocumentRegistry:
-    """Registered document texts, in memory and (with ``path``) persisted in SQLite.
+    """Registered document texts and chunk sources, in memory and (with ``path``) persisted in SQLite.
 
     >>> reg = DocumentRegistry()
-    >>> doc = "Paris is the capital of France. It lies on the Seine."
-    >>> reg.register([doc])
+    >>> reg.register(["Paris is the capital of France. It lies on the Seine."] * 2)
     1
-    >>> text = "Context: " + doc + " Question?"
-    >>> [text[m.start:m.end] == doc for m in reg.find(text)]
-    [True]
+    >>> len(reg)
+    1
     """
 
     def __init__(
@@ -90,7 +76,7 @@ class DocumentRegistry:
     ) -> None:
         """``path``: the SQLite file (None: memory only), created with ``file_mode`` (None: the umask's);
         a damaged one raises :class:`~kvboost_rag.errors.DamagedStoreError`."""
-        self._anchors: dict[str, list[str]] = {}
+        self._documents: set[str] = set()
         self._shared = shared
         self._sources: dict[str, Source] = {}
         self._lock = threading.Lock()
@@ -117,15 +103,15 @@ class DocumentRegistry:
 
     def __len__(self) -> int:
         self._refresh()
-        return sum(len(v) for v in self._anchors.values())
+        return len(self._documents)
 
     def register(self, texts: Iterable[str]) -> int:
         """Add canonical (normalized) document texts; returns how many were new."""
         self._refresh()
-        texts = [t for t in dict.fromkeys(texts) if len(t) >= ANCHOR_CHARS]
+        texts = [t for t in dict.fromkeys(texts) if len(t) >= MIN_DOCUMENT_CHARS]
         if self._shared is not None:
             self._shared.publish_documents(texts)  # all of them: the shared side may have lost some
-        new = [t for t in texts if not self._known(t)]
+        new = [t for t in texts if t not in self._documents]
         if self._con is not None and new:
             with self._lock:
                 self._con.execute("BEGIN IMMEDIATE")
@@ -136,8 +122,7 @@ class DocumentRegistry:
             self._refresh()
         else:
             with self._lock:
-                for t in new:
-                    self._anchors.setdefault(t[:ANCHOR_CHARS], []).append(t)
+                self._documents.update(new)
         return len(new)
 
     def add_sources(self, sources: dict[str, Source]) -> None:
@@ -194,38 +179,13 @@ class DocumentRegistry:
                 found |= remote
         return found
 
-    def find(self, text: str) -> list[Match]:
-        """Non-overlapping registered documents in ``text``, leftmost first, longest at a position."""
-        self._refresh()
-        anchors = self._anchors
-        if not anchors or len(text) < ANCHOR_CHARS:
-            return []
-        matches = []
-        i, last = 0, len(text) - ANCHOR_CHARS
-        while i <= last:
-            candidates = anchors.get(text[i : i + ANCHOR_CHARS])
-            if candidates:
-                best = max((c for c in candidates if text.startswith(c, i)), key=len, default=None)
-                if best is not None:
-                    matches.append(Match(i, i + len(best)))
-                    i += len(best)
-                    continue
-            i += 1
-        return matches
-
-    def _known(self, text: str) -> bool:
-        return text in self._anchors.get(text[:ANCHOR_CHARS], ())
-
     def _refresh(self) -> None:
         """Load documents registered since the last look (by this or another process)."""
         if self._shared is not None:
-            remote = [t for t in self._shared.new_documents() if len(t) >= ANCHOR_CHARS]
+            remote = [t for t in self._shared.new_documents() if len(t) >= MIN_DOCUMENT_CHARS]
             if remote:
                 with self._lock:
-                    for text in remote:
-                        bucket = self._anchors.setdefault(text[:ANCHOR_CHARS], [])
-                        if text not in bucket:
-                            bucket.append(text)
+                    self._documents.update(remote)
         if self._con is None:
             return
         with self._lock:
@@ -233,9 +193,7 @@ class DocumentRegistry:
                 "SELECT rowid, text FROM documents WHERE rowid > ? ORDER BY rowid", (self._seen_rowid,)
             ).fetchall()
             for rowid, text in rows:
-                bucket = self._anchors.setdefault(text[:ANCHOR_CHARS], [])
-                if text not in bucket:
-                    bucket.append(text)
+                self._documents.add(text)
                 self._seen_rowid = rowid
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from ..registry import ANCHOR_CHARS, Source
+from ..registry import MIN_DOCUMENT_CHARS, Source
 
 
 class RecordTier(Protocol):
@@ -50,7 +50,7 @@ class RedisRecords:
 
     def publish_documents(self, texts: Sequence[str]) -> None:
         """Add document texts (already normalized) to the namespace's shared list."""
-        texts = [t for t in dict.fromkeys(texts) if len(t) >= ANCHOR_CHARS]
+        texts = [t for t in dict.fromkeys(texts) if len(t) >= MIN_DOCUMENT_CHARS]
         if texts:
             self._store.add_documents(texts)
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvboost_rag.registry import ANCHOR_CHARS, Source
+from kvboost_rag.registry import MIN_DOCUMENT_CHARS, Source
 from kvboost_rag.store.redis_records import RedisRecords
 
-LONG = "x" * ANCHOR_CHARS
+LONG = "x" * MIN_DOCUMENT_CHARS
 
 
 class FakeTier:
