@@ -156,7 +156,7 @@ class ScheduledFeed(Delivery):
 class StreamBridge:
     """Runs an engine stream on its own thread and queues its items for the event loop.
 
-    :meth:`stop` ends it: an engine stream (:class:`~kvboost_rag.generation.CancellableStream`)
+    :meth:`stop` ends it: an engine stream (:class:`~kvboost_rag.streams.CancellableStream`)
     at its next layer or token, a long prefill included; any iterator before its next item is
     handed over.
 

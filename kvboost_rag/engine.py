@@ -1,39 +1,36 @@
 """KVBoostEngine: the Python API over canonicalizer, store, assembler and runner.
 
-The engine is a facade: it loads and checks the model, chooses the prefill schedule,
-opens the store, and hands requests to :mod:`.generation` and warm-ups to :mod:`.warming`.
+The engine is a facade: it loads and checks the model, has its parts built (the prefill
+schedule chosen, the store opened: :mod:`.engine_build`), and hands requests through
+:mod:`.dispatch` to :mod:`.generation`, warm-ups to :mod:`.warming`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .assembler import Assembler
-from .async_stream import AsyncStream, Feed, ScheduledFeed, StreamBridge
-from .canonical import Canonicalizer, CanonicalPrompt, PromptInput, Segment
+from .async_stream import AsyncStream, Feed
+from .canonical import CanonicalPrompt, PromptInput, Segment
 from .config import EngineConfig
-from .core import EngineCore, eos_ids, namespace_of
+from .dispatch import Dispatcher
+from .engine_build import build_core
 from .errors import KVBoostError, UnsupportedModelError
 from .followups import FollowUps
-from .generation import CancellableStream, Generation, OnDelta, Prepared, ScheduledStream
-from .held_context import HeldContexts
-from .invariance import choose_schedule, schedule_note, schedule_stats
+from .generation import Generation
+from .invariance import schedule_stats
 from .models import load_model
-from .registry import DocumentRegistry
+from .prepared import Prepared
 from .request import Request
 from .results import GenerationResult, PrewarmReport, WarmReport
-from .scheduler import BatchFuture, Scheduler
 from .store import KVStore
-from .store.factory import open_store
+from .streams import CancellableStream, ScheduledStream
 from .warming import prewarm, store_reply, warm
 
 
@@ -69,38 +66,16 @@ class KVBoostEngine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-        self.assembler = Assembler(model, transposed_batch_weights=self.config.batch_transposed_weights)
-        namespace = partial(namespace_of, self.assembler, tokenizer)
-        self.invariance = choose_schedule(self.assembler, self.config.prefill_schedule, namespace)
-        self.chunk_size = self.config.chunk_tokens(invariant=self.assembler.invariant)
-        self.namespace = namespace()
-        self.store = store if store is not None else open_store(self.config, self.namespace, store_dir)
-        try:
-            self.registry = DocumentRegistry(
-                Path(store_dir).expanduser() / "documents.sqlite" if store_dir else None,
-                shared=self.store.shared_records(),  # a Redis tier shares documents between processes
-                file_mode=self.config.store_file_mode,
-            )
-        except BaseException:
-            self.store.close()
-            raise
-        self.canonicalizer = Canonicalizer(tokenizer)
-        self.core = EngineCore(
-            self.config,
-            self.assembler,
-            self.canonicalizer,
-            self.store,
-            self.registry,
-            self.namespace,
-            self.chunk_size,
-            schedule_note(self.invariance, self.assembler.invariant, self.chunk_size),
-            eos_ids(model, tokenizer),
-            held=HeldContexts(self.config.held_context_tokens),
+        self.core, self.invariance = build_core(
+            model, tokenizer, self.config, store=store, store_dir=store_dir
         )
+        core = self.core  # its parts, also by the names the engine has always had
+        self.assembler, self.canonicalizer = core.assembler, core.canonicalizer
+        self.store, self.registry = core.store, core.registry
+        self.namespace, self.chunk_size = core.namespace, core.chunk_size
         self._followups = FollowUps(name="kvboost-reply-store")
         self.generation = Generation(self.core, self._followups)
-        self._scheduler: Scheduler[Request | Prepared] | None = None
-        self._scheduler_lock = threading.Lock()
+        self._dispatch = Dispatcher(self.generation, self.config)
         if self.config.reuse == "blend":
             self.core.blend_shifter()  # refuse an unsupported model now, not at the first request
 
@@ -148,15 +123,7 @@ class KVBoostEngine:
 
         Calls from several threads at once are served in batches (see :meth:`submit`).
         """
-        request = Request.coerce(prompt, settings)
-        if self.config.max_batch_size == 1:
-            return self.generation.solo(self.generation.prepare(request, time.perf_counter()))
-        future = self.submit(request)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()  # interrupted while waiting: the row leaves its batch at the next token
-            raise
+        return self._dispatch.run(Request.coerce(prompt, settings))
 
     def stream(self, prompt: PromptInput | Request, **settings: Any) -> CancellableStream | ScheduledStream:
         """Like :meth:`generate`, yielding text deltas; the last item carries the result. Bad input
@@ -173,10 +140,7 @@ class KVBoostEngine:
         (a long prefill too); the stream then raises ``concurrent.futures.CancelledError``.
         """
         request = Request.coerce(prompt, settings)
-        prepared = self.generation.prepare(request, time.perf_counter())
-        if self.config.max_batch_size == 1:
-            return CancellableStream(self.generation, prepared)
-        return ScheduledStream(self._submit, prepared, self.config.stream_buffer_deltas)
+        return self._dispatch.stream(self.generation.prepare(request, time.perf_counter()))
 
     def astream(self, prompt: PromptInput | Request, **settings: Any) -> AsyncStream:
         """:meth:`stream` for asyncio: ``async for piece in engine.astream(...)``. The request is
@@ -187,12 +151,8 @@ class KVBoostEngine:
         """
         request = Request.coerce(prompt, settings)
 
-        def open_feed(loop: asyncio.AbstractEventLoop) -> Feed:
-            prepared = self.generation.prepare(request, time.perf_counter())
-            if self.config.max_batch_size == 1:  # the request runs alone, on a thread of its own
-                return StreamBridge(CancellableStream(self.generation, prepared), loop)
-            submit = partial(self._submit, prepared)
-            return ScheduledFeed(submit, loop, self.config.stream_buffer_deltas)
+        def open_feed(loop: asyncio.AbstractEventLoop) -> Feed:  # prepared as the stream starts
+            return self._dispatch.feed(self.generation.prepare(request, time.perf_counter()), loop)
 
         return AsyncStream(open_feed)
 
@@ -203,17 +163,7 @@ class KVBoostEngine:
         runs, are served together. ``future.cancel()`` also stops a running request at
         its next token; the other requests of its batch are unaffected.
         """
-        return self._submit(request)
-
-    def _submit(self, request: Request | Prepared, on_delta: OnDelta | None = None) -> BatchFuture:
-        with self._scheduler_lock:
-            if self._scheduler is None:
-                self._scheduler = Scheduler(
-                    self.generation.serve,
-                    window_s=self.config.batch_window_ms / 1000,
-                    max_batch_size=self.config.max_batch_size,
-                )
-        return self._scheduler.submit(request, on_delta)
+        return self._dispatch.submit(request)
 
     async def agenerate(self, prompt: PromptInput | Request, **settings: Any) -> GenerationResult:
         """:meth:`generate` for asyncio: served by the scheduler, so the event loop is never blocked;
@@ -328,10 +278,7 @@ class KVBoostEngine:
 
     def close(self) -> None:
         """Finish queued requests and background work, flush pending disk writes and release the store."""
-        with self._scheduler_lock:
-            scheduler, self._scheduler = self._scheduler, None
-        if scheduler is not None:
-            scheduler.close()
+        self._dispatch.close()
         self._followups.close()
         self.store.close()
         self.registry.close()

@@ -1,5 +1,16 @@
 """The Assembler: lays stored chunks into a cache, runs the model over it, cuts new KV back out.
 
+This module is the facade: it reads the model's config once, owns the invariant mode, names the
+attention arithmetic, makes caches, and hands each call to the module that does that job:
+
+- :mod:`.request_forward`: a request's next tokens at consecutive positions (split-invariant in
+  invariant mode);
+- :mod:`.masked_forward`: forwards under an explicit mask (a batch of rows, blend's recompute);
+- :mod:`.layer_probe`: one layer's keys and values, the cache left as it was;
+- :mod:`.stored_kv`: stored chunks into a cache and back out;
+- :mod:`.model_call`: what those forwards share (forward lock, :mod:`.attention_switch`,
+  :mod:`.row_major` linears, the lean forward).
+
 Layouts:
 - transformers cache layer: keys/values ``[batch, kv_heads, seq, head_dim]`` (batch 1 except in batches);
   our buffered layers (:mod:`.buffered_cache`) keep whole 512-key blocks and hand out views
@@ -8,21 +19,22 @@ Layouts:
 
 from __future__ import annotations
 
-import functools
-import inspect
 import threading
-import weakref
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicCache
 
-from .. import block_attention, chunk_attention
-from .buffered_cache import BufferedCache, buffered_layers, kv_layers
-from .lean_forward import LeanForward, kernel_tag, lean_forward_of
+from .. import block_attention
+from . import stored_kv
+from .buffered_cache import BufferedCache
+from .layer_probe import probe_layer
+from .lean_forward import kernel_tag
+from .masked_forward import MaskedForward
+from .model_call import ModelCall
+from .request_forward import forward_tail
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
@@ -50,34 +62,20 @@ class Assembler:
         # module that applies it to every layer whatever its type then finds its masks)
         self._layer_windows = block_attention.layer_windows(model.config)
         self._windows = {*self._layer_windows, getattr(text, "sliding_window", None)}
-        self._masks_by_type = getattr(text, "layer_types", None) is not None
-        """Whether the model takes a batch's masks by layer type (else one mask for every layer)."""
-        # Forward calls of concurrent requests take turns: the attention switch below is shared
-        # state of the model (also between engines that share it), and two calls at once would
-        # only split the same cores.
-        self._forward_lock = _model_lock(model)
-        params = inspect.signature(model.forward).parameters
-        # transformers 5.x renamed ``past_key_values`` to ``cache``; accept either.
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        # Over our own full-attention caches, SDPA models run chunk steps through the
-        # mask-free chunk attention (same math, no [L, S] mask, causal work only).
-        self._chunk_attention = (
-            chunk_attention.register()
-            if getattr(model.config, "_attn_implementation", None) == "sdpa"
-            else None
+        self._call = ModelCall(
+            model,
+            windows=self._windows,
+            transposed_batch_weights=transposed_batch_weights,
+            lean_forward=lean_forward,
         )
-        self._block_attention = block_attention.register() if block_attention.available(self.device) else None
+        self._masked = MaskedForward(
+            self._call,
+            window=self.attention_window,
+            masks_by_type=getattr(text, "layer_types", None) is not None,
+        )
         self.invariant = False
         """Run forwards over buffered caches split-invariantly (set by the engine once the probe holds)."""
-        text = model.config.get_text_config(decoder=True)
-        self._query_groups = text.num_attention_heads // getattr(
-            text, "num_key_value_heads", text.num_attention_heads
-        )
-        self._transposed_batch_weights = transposed_batch_weights
-        self._transposed: dict[torch.nn.Linear, torch.Tensor] = {}  # [in, out] copies, made on first use
-        self._lean_wanted = lean_forward and LeanForward.supports(model) is None
-        self._lean: LeanForward | None = None  # made at the first split-invariant forward (packs weights)
-        self._lean_tag = kernel_tag(model) if self._lean_wanted else ""
+        self._lean_tag = kernel_tag(model) if self._call.lean_wanted else ""
 
     @property
     def attention_kernel(self) -> str:
@@ -85,19 +83,23 @@ class Assembler:
         if self.invariant:
             # every LM head product of these forwards runs a multiple of ROW_MULTIPLE rows (see forward)
             rows = block_attention.ROW_MULTIPLE
-            kernel = f"{self._block_attention}-{block_attention.ARITHMETIC_TAG}-rows{rows}-head{rows}"
-            return f"{kernel}-{self._lean_tag}" if self._lean_wanted else kernel
-        return self._chunk_attention or str(getattr(self.model.config, "_attn_implementation", ""))
+            kernel = f"{self._call.attention.block}-{block_attention.ARITHMETIC_TAG}-rows{rows}-head{rows}"
+            return f"{kernel}-{self._lean_tag}" if self._call.lean_wanted else kernel
+        return self._call.attention.chunk or str(getattr(self.model.config, "_attn_implementation", ""))
 
     @property
     def can_run_invariant(self) -> bool:
         """Whether the split-invariant attention exists for this model and device (the probe still
         decides)."""
-        return self._block_attention is not None
+        return self._call.attention.block is not None
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self._call.device
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.get_text_config(decoder=True).num_hidden_layers
 
     def exact_reuse_blocker(self, total_tokens: int) -> str | None:
         """Why exact chunk reuse cannot serve a sequence of ``total_tokens``, or None.
@@ -161,60 +163,16 @@ class Assembler:
         out = self.forward_tail(cache, token_ids, start, 1 if logits else 0, exact_rows=exact_rows)
         return out[-1] if out is not None else None
 
-    @torch.inference_mode()
     def forward_tail(
         self, cache: Cache, token_ids: Sequence[int], start: int, logit_rows: int, *, exact_rows: bool = True
     ) -> torch.Tensor | None:
         """:meth:`forward` returning float32 logits ``[logit_rows, vocab]`` of the last ``logit_rows``
         tokens (None for 0). In invariant mode row j's logits are the bits that a call ending at that
         token gives: drafted tokens are verified in one call with the logits of one call each."""
-        n = len(token_ids)
-        invariant = self.invariant and exact_rows and isinstance(cache, BufferedCache)
-        rows = block_attention.round_up(n, block_attention.ROW_MULTIPLE) if invariant else n
-        device = self.device
-        ids = torch.tensor([[*token_ids, *[token_ids[-1]] * (rows - n)]], dtype=torch.long, device=device)
-        positions = torch.arange(start, start + rows, device=device).unsqueeze(0)
-        keep: int | torch.Tensor | None = None
-        if logit_rows and invariant:
-            # The LM head multiplies a multiple of ROW_MULTIPLE rows (the last wanted one repeated),
-            # so its kernel, and each row's bits, are the same whatever the call and however many
-            # rows it wants: a prefill's last logits, a decode step's, a verified draft's.
-            wanted = list(range(n - logit_rows, n))
-            wanted += [n - 1] * (
-                block_attention.round_up(logit_rows, block_attention.ROW_MULTIPLE) - logit_rows
-            )
-            keep = torch.tensor(wanted, device=device)
-        elif logit_rows:
-            keep = logit_rows
-        out: torch.Tensor | None = None
-        with self._forward_lock:
-            lean = self._lean_for(cache) if invariant else None
-            if lean is not None:
-                assert isinstance(cache, BufferedCache)  # _lean_for checked
-                assert keep is None or isinstance(keep, torch.Tensor)
-                with self._invariant_queries(cache, start, rows, real=n):
-                    out = lean.forward(cache, ids, positions, block_attention.block_causal_attention, keep)
-            else:
-                kwargs = {
-                    "input_ids": ids,
-                    "position_ids": positions,
-                    "use_cache": True,
-                    self._cache_kwarg: cache,
-                }
-                head = (
-                    self._decode_head() if n == 1 and not exact_rows and keep is not None else nullcontext()
-                )
-                with self._attention_for(cache, start, rows, n, invariant=exact_rows), head:
-                    if keep is None:
-                        self.model.base_model(**kwargs)
-                    else:
-                        out = self.model(**kwargs, logits_to_keep=keep).logits[0].float()
-        if rows != n:
-            assert isinstance(cache, BufferedCache)  # padded rows only in invariant mode, over our caches
-            cache.truncate(start + n)
-        return out[:logit_rows] if out is not None else None
+        return forward_tail(
+            self._call, cache, token_ids, start, logit_rows, invariant=self.invariant, exact_rows=exact_rows
+        )
 
-    @torch.inference_mode()
     def forward_masked(
         self, cache: Cache, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
@@ -225,58 +183,13 @@ class Assembler:
         cache's slots and then the ``q`` new ones. Through the lean forward where it runs (its packed
         products; the bits are not a prefill's, and need not be: the result is approximate anyway).
         """
-        # the position of the token in each slot: one slot per prompt token, then the q new ones
-        slot_positions = torch.cat(
-            (torch.arange(mask.shape[-1] - token_ids.shape[1], device=positions.device), positions[0])
-        )[None]
-        lean = self._lean_for(cache)
-        if lean is None:
-            return self.forward_rows(cache, token_ids, positions, mask, slot_positions=slot_positions)[0]
-
-        def masked(
-            module: torch.nn.Module,
-            query: torch.Tensor,
-            key: torch.Tensor,
-            value: torch.Tensor,
-            *_: Any,
-            **kw: Any,
-        ) -> tuple[torch.Tensor, None]:
-            window = kw.get("sliding_window")
-            layer_mask = mask if window is None else _in_window(mask, positions, slot_positions, window)
-            allowed = F.pad(
-                layer_mask, (0, key.shape[2] - mask.shape[-1])
-            )  # key blocks padded: never attended
-            out = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=allowed, scale=kw.get("scaling"), enable_gqa=True
-            )
-            return out.transpose(1, 2), None  # [1, q, heads, dim]
-
-        assert isinstance(cache, BufferedCache)  # _lean_for checked
-        keep = torch.tensor([token_ids.shape[1] - 1], device=self.device)
-        with self._forward_lock:
-            out = lean.forward(cache, token_ids, positions, masked, keep)
-        assert out is not None
-        return out[0]
-
-    def _lean_for(self, cache: Cache) -> LeanForward | None:
-        """The lean forward for a split-invariant call over ``cache`` (made at first use), or None."""
-        if not self._lean_wanted or not isinstance(cache, BufferedCache):
-            return None
-        if self._lean is None:
-            self._lean = lean_forward_of(self.model)
-        return self._lean
+        return self._masked.one_row(cache, token_ids, positions, mask)
 
     @property
     def shares_prefixes(self) -> bool:
         """Whether batches can keep a prefix common to all rows once (see :mod:`.batch_rows`)."""
-        # the shared prefix is attended without a mask, so not by sliding-window layers
-        return (
-            self.attention_window is None
-            and self._chunk_attention is not None
-            and chunk_attention.shared_prefix_available(self.device)
-        )
+        return self._masked.shares_prefixes
 
-    @torch.inference_mode()
     def forward_rows(
         self,
         cache: Cache,
@@ -295,263 +208,35 @@ class Assembler:
         slots); needed on models with sliding-window layers, whose masks also leave out the slots
         behind the window.
         """
-        kwargs = {
-            "input_ids": token_ids,
-            "position_ids": positions,
-            "attention_mask": self._masks_by_layer(mask, positions, slot_positions),
-            "use_cache": True,
-            self._cache_kwarg: cache,
-        }
-        with self._forward_lock, self._batch_linears():
-            if shared is None:
-                out = self.model(**kwargs, logits_to_keep=1)
-            else:
-                with (
-                    chunk_attention.shared_prefix(shared),
-                    self._attention_switch(chunk_attention.SHARED_PREFIX_NAME),
-                ):
-                    out = self.model(**kwargs, logits_to_keep=1)
-        return out.logits[:, -1].float()
+        return self._masked.rows(cache, token_ids, positions, mask, shared, slot_positions)
 
-    def _masks_by_layer(
-        self, mask: torch.Tensor, positions: torch.Tensor, slot_positions: torch.Tensor | None
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """``mask`` for full-attention layers; on models with a sliding window, the same mask without
-        the slots behind each query's window for the sliding layers (by layer type where the model
-        names types, else the windowed mask for every layer)."""
-        window = self.attention_window
-        if window is None:
-            return mask
-        if slot_positions is None:
-            raise ValueError("a batch over sliding-window layers needs the position of each cache slot")
-        windowed = _in_window(mask, positions, slot_positions, window)
-        if not self._masks_by_type:
-            return windowed
-        return {"full_attention": mask, "sliding_attention": windowed}
-
-    @contextmanager
-    def _batch_linears(self) -> Iterator[None]:
-        """On CPU, run every linear layer of a batched step against a transposed copy of its weight.
-
-        CPU BLAS multiplies a few rows by a ``[out, in]`` weight read transposed several times
-        slower than by an ``[in, out]`` one (576x576 fp32, 8 rows: 0.37 ms against 0.05 ms;
-        a whole SmolLM2 decode step of 8 rows: 151 ms against 113 ms). The copies cost the
-        linear weights' size once. Only batched steps and decode steps come here (see
-        :meth:`_decode_head`), never a prefill, so exact mode's stored KV is untouched; the swap
-        is held under the forward lock only.
-        """
-        with self._row_major(m for m in self.model.modules() if type(m) is torch.nn.Linear):
-            yield
-
-    @contextmanager
-    def _decode_head(self) -> Iterator[None]:
-        """On CPU, the LM head of a one-token decode step against a transposed copy of its weight.
-
-        For one row the layers' own products are as fast either way, but the LM head's is not
-        (SmolLM2, 576 -> 49,152: 10.9 ms against 5.2 ms, a tenth of the step). Every decode step
-        of every path goes through here, so a request's tokens are the same whether its prompt
-        was reused or computed.
-        """
-        head = self.model.get_output_embeddings()
-        with self._row_major([head] if type(head) is torch.nn.Linear else []):
-            yield
-
-    @contextmanager
-    def _row_major(self, modules: Iterable[torch.nn.Linear]) -> Iterator[None]:
-        """Inside, ``modules`` multiply by a transposed copy of their weight (made on first use and
-        kept; subclasses such as quantized layers are never passed and keep their own forward)."""
-        if not self._transposed_batch_weights or self.device.type != "cpu":
-            yield
-            return
-        swapped = list(modules)
-        for module in swapped:
-            weight_t = self._transposed.get(module)
-            if weight_t is None:
-                with torch.no_grad():
-                    weight_t = self._transposed[module] = module.weight.detach().t().contiguous()
-            # An instance attribute shadows the class's forward until the del below.
-            module.forward = functools.partial(  # type: ignore[method-assign]
-                _row_major_linear, weight_t=weight_t, bias=module.bias
-            )
-        try:
-            yield
-        finally:
-            for module in swapped:
-                del module.forward
-
-    @torch.inference_mode()
     def probe(
         self, cache: Cache, token_ids: Sequence[int], start: int, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[kv_heads, tokens, head_dim]`` that ``layer`` computes for ``token_ids`` at
         positions ``start..`` over ``cache``, running only the layers up to it; ``cache`` is left as it
         was."""
-        layers = buffered_layers(cache)
-        lengths = [lay.get_seq_length() for lay in layers]
-        target = layers[layer]
-        captured: list[torch.Tensor] = []
+        return probe_layer(cache, layer, lambda: self.forward(cache, token_ids, start, logits=False))
 
-        def capture(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            captured.extend((key_states[0].clone(), value_states[0].clone()))
-            raise _ProbeDone
-
-        # an instance attribute shadows the method for this call only
-        target.update = capture  # type: ignore[method-assign]
-        try:
-            self.forward(cache, token_ids, start, logits=False)
-        except _ProbeDone:
-            pass
-        finally:
-            del target.update
-            for lay, n in zip(layers, lengths, strict=True):
-                lay.truncate(n)
-        if not captured:
-            msg = f"layer {layer} was never reached (the model has {len(cache.layers)} layers)"
-            raise ValueError(msg)
-        return captured[0], captured[1]
-
-    @torch.inference_mode()
-    def settle(self, cache: Cache, slots: torch.Tensor) -> None:
-        """Move the KV appended last (one entry per slot) into ``slots`` and drop the appended tail.
-
-        Selective recompute appends fresh KV for tokens whose stale KV sits earlier in the
-        cache; afterwards every slot again holds the token at that position.
-        """
-        for lay in buffered_layers(cache):
-            end = lay.get_seq_length()
-            base = end - len(slots)
-            # copies first: with one KV head PyTorch sees the source and the slots as overlapping
-            lay._k[:, :, slots] = lay._k[:, :, base:end].clone()
-            lay._v[:, :, slots] = lay._v[:, :, base:end].clone()
-            lay.truncate(base)
-
-    @property
-    def num_layers(self) -> int:
-        return self.model.config.get_text_config(decoder=True).num_hidden_layers
-
-    @contextmanager
-    def _attention_for(
-        self, cache: Cache, start: int, rows: int, real: int, *, invariant: bool
-    ) -> Iterator[None]:
-        """Select our attention for the duration of one forward of ``rows`` queries at ``start..``
-        (the first ``real`` wanted, the rest filler rows) over a buffered cache: split-invariant in
-        invariant mode (one-row decode steps excepted: ``invariant=False``), the chunk attention
-        otherwise.
-
-        The switch is on the shared config, so it is held only inside the call (under
-        the forward lock), and the model is left as it was.
-        """
-        if not isinstance(cache, BufferedCache):
-            yield
-            return
-        if self.invariant and invariant:
-            assert self._block_attention is not None  # invariant mode is set only where it can run
-            with (
-                self._attention_switch(self._block_attention),
-                self._invariant_queries(cache, start, rows, real=real),
-            ):
-                yield
-            return
-        if self._chunk_attention is None:
-            yield
-            return
-        with self._attention_switch(self._chunk_attention):
-            yield
-
-    @contextmanager
-    def _invariant_queries(self, cache: BufferedCache, start: int, rows: int, *, real: int) -> Iterator[None]:
-        """Inside: the split-invariant attention's masks for ``rows`` queries at ``start..`` (the first
-        ``real`` attended, the rest filler rows), and the cache handing out whole key blocks."""
-        dtype = next(self.model.parameters()).dtype
-        with (
-            block_attention.queries_at(
-                start,
-                rows,
-                self._query_groups,
-                dtype,
-                self.device,
-                real=real,
-                windows=self._windows,
-                key_starts=cache.key_starts(),
-            ),
-            cache.keys_padded(),
-        ):
-            yield
-
-    @contextmanager
-    def _attention_switch(self, name: str) -> Iterator[None]:
-        config = self.model.config
-        previous = config._attn_implementation
-        config._attn_implementation = name
-        try:
-            with chunk_attention.owned():  # other threads' forwards meanwhile get plain SDPA
-                yield
-        finally:
-            config._attn_implementation = previous
-
-    @torch.inference_mode()
     def extract(self, cache: Cache, start: int, end: int) -> torch.Tensor:
         """KV of tokens ``start:end`` as ``[layers, 2, kv_heads, tokens, head_dim]`` (a copy)."""
-        held_from = cache.held_from if isinstance(cache, BufferedCache) else 0
-        if start < held_from:
-            msg = f"tokens {start}:{end} are not all held: the cache dropped the positions before {held_from}"
-            raise ValueError(msg)
-        layers = kv_layers(cache)
-        slots = [start - getattr(layer, "start", 0) for layer in layers]  # [slot of ``start`` per layer]
-        return torch.stack(
-            [
-                torch.stack((layer.keys[0, :, s : s + end - start], layer.values[0, :, s : s + end - start]))
-                for layer, s in zip(layers, slots, strict=True)
-            ]
-        )
+        return stored_kv.extract(cache, start, end)
 
-    @torch.inference_mode()
     def append(self, cache: Cache, kv: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """Lay stored chunks ``[layers, 2, kv_heads, tokens, head_dim]`` (one, or several in order)
         after what ``cache`` holds."""
-        parts = [kv] if isinstance(kv, torch.Tensor) else list(kv)
-        for part in parts:
-            if part.shape[0] != len(cache.layers):
-                msg = f"stored chunk has {part.shape[0]} layers, the model has {len(cache.layers)}"
-                raise ValueError(msg)
-        if isinstance(cache, BufferedCache):
-            for layer_idx, buffered in enumerate(buffered_layers(cache)):
-                buffered.extend([p[layer_idx, 0] for p in parts], [p[layer_idx, 1] for p in parts])
-            return
-        for layer_idx, layer in enumerate(kv_layers(cache)):
-            if len(parts) == 1:
-                keys, values = parts[0][layer_idx, 0], parts[0][layer_idx, 1]
-            else:  # a few large copies per layer rather than a small one per chunk and layer
-                keys = torch.cat([p[layer_idx, 0] for p in parts], dim=1)
-                values = torch.cat([p[layer_idx, 1] for p in parts], dim=1)
-            layer.update(keys.unsqueeze(0), values.unsqueeze(0))
+        stored_kv.append(cache, kv)
 
+    def settle(self, cache: Cache, slots: torch.Tensor) -> None:
+        """Move the KV appended last (one entry per slot) into ``slots`` and drop the appended tail
+        (blend's recompute; see :func:`.stored_kv.settle`)."""
+        stored_kv.settle(cache, slots)
 
-_FORWARD_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()
+    @property
+    def _transposed(self) -> dict[torch.nn.Linear, torch.Tensor]:
+        """The row-major weight copies made so far (tests count them)."""
+        return self._call.linears.transposed
 
-
-def _in_window(
-    mask: torch.Tensor, positions: torch.Tensor, slot_positions: torch.Tensor, window: int
-) -> torch.Tensor:
-    """``mask`` ``[rows, 1, q, kv]`` without the slots behind each query's sliding window: a query at p
-    attends slots holding positions p - window < k (``positions`` ``[rows, q]``, ``slot_positions``
-    ``[rows, kv]``)."""
-    return mask & (slot_positions[:, None, None, :] > positions[:, None, :, None] - window)
-
-
-def _model_lock(model: torch.nn.Module) -> threading.Lock:
-    """One forward lock per model object, shared by every assembler of that model (kept beside the
-    model, not on it, so the model can still be copied)."""
-    with _LOCKS_GUARD:
-        return _FORWARD_LOCKS.setdefault(model, threading.Lock())
-
-
-def _row_major_linear(x: torch.Tensor, *, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``nn.Linear`` with the weight given as ``[in, out]``."""
-    y = torch.matmul(x, weight_t)
-    return y if bias is None else y + bias
-
-
-class _ProbeDone(Exception):
-    """Stops a probe forward once the probed layer has computed its keys and values."""
+    def _attention_switch(self, name: str) -> AbstractContextManager[None]:
+        """Inside, the model runs the attention registered as ``name`` (tests switch it by hand)."""
+        return self._call.attention.use(name)

@@ -171,6 +171,16 @@ class BufferedLayer(DynamicLayer):
         self.length = length
         self._views()
 
+    def settle(self, slots: torch.Tensor) -> None:
+        """Move the last ``len(slots)`` positions into ``slots`` and forget them (see
+        :func:`.stored_kv.settle`)."""
+        end = self.get_seq_length()
+        base = end - len(slots)
+        # copies first: with one KV head PyTorch sees the source and the slots as overlapping
+        self._k[:, :, slots] = self._k[:, :, base:end].clone()
+        self._v[:, :, slots] = self._v[:, :, base:end].clone()
+        self.truncate(base)
+
     def set_buffers(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """Adopt ``[rows, kv_heads, capacity, head_dim]`` buffers whose first ``length`` slots are filled
         (finite) with positions ``0:length``; the slots after them may hold anything."""
