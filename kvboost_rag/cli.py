@@ -250,14 +250,14 @@ def _disk_tier(engine: KVBoostEngine) -> DiskStore:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from .registry import DocumentRegistry
+    from .registry import REGISTRY_DB, DocumentRegistry
 
     disk = _open_disk(args.store)
     try:
         spaces = disk.usage()
     finally:
         disk.close()
-    registry = DocumentRegistry(Path(args.store).expanduser() / "documents.sqlite")
+    registry = DocumentRegistry(Path(args.store).expanduser() / REGISTRY_DB)
     out = {
         "store": args.store,
         "entries": sum(row["entries"] for row in spaces.values()),
@@ -341,6 +341,8 @@ def _repair(args: argparse.Namespace) -> int:
 
 
 def _clear(args: argparse.Namespace) -> int:
+    from .registry import REGISTRY_DB
+
     if not args.yes:
         if not sys.stdin.isatty():
             raise InvalidRequestError("refusing to clear without confirmation; pass --yes")
@@ -355,7 +357,7 @@ def _clear(args: argparse.Namespace) -> int:
             disk.clear()
         finally:
             disk.close()
-    registry_file = Path(args.store).expanduser() / "documents.sqlite"
+    registry_file = Path(args.store).expanduser() / REGISTRY_DB
     for suffix in ("", "-wal", "-shm"):
         Path(str(registry_file) + suffix).unlink(missing_ok=True)
     print(f"cleared {args.store}")
@@ -366,8 +368,11 @@ def _delete_store_files(directory: Path) -> None:
     """Delete a store's payloads and databases by hand (when they cannot be opened)."""
     import shutil
 
-    shutil.rmtree(directory / "kv", ignore_errors=True)
-    for name in ("index.sqlite", "documents.sqlite"):
+    from .registry import REGISTRY_DB
+    from .store.disk_files import INDEX_DB, PAYLOAD_DIR
+
+    shutil.rmtree(directory / PAYLOAD_DIR, ignore_errors=True)
+    for name in (INDEX_DB, REGISTRY_DB):
         for suffix in ("", "-wal", "-shm"):
             (directory / f"{name}{suffix}").unlink(missing_ok=True)
 

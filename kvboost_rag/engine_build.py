@@ -13,7 +13,7 @@ from .config import EngineConfig
 from .core import EngineCore, eos_ids, namespace_of
 from .held_context import HeldContexts
 from .invariance import InvarianceReport, choose_schedule, schedule_note
-from .registry import DocumentRegistry
+from .registry import REGISTRY_DB, DocumentRegistry
 from .store import KVStore
 from .store.factory import open_store
 
@@ -37,7 +37,7 @@ def build_core(
     store = store if store is not None else open_store(config, name, store_dir)
     try:
         registry = DocumentRegistry(
-            Path(store_dir).expanduser() / "documents.sqlite" if store_dir else None,
+            Path(store_dir).expanduser() / REGISTRY_DB if store_dir else None,
             shared=store.shared_records(),  # a Redis tier shares documents between processes
             file_mode=config.store_file_mode,
         )

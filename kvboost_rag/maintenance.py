@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from .keys import Chunk
-from .registry import DocumentRegistry
+from .registry import REGISTRY_DB, DocumentRegistry
 from .runner import prefill
 from .store import CorruptEntryError, DiskStore
 from .store.codecs import codec_named
 from .store.disk import UnreadablePayloadError
+from .store.disk_files import INDEX_DB, PAYLOAD_DB
 from .store.serialization import ForeignEntryError, Secrets
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DATABASES = ("kv/cache.db", "index.sqlite", "documents.sqlite")
+DATABASES = (PAYLOAD_DB, INDEX_DB, REGISTRY_DB)
 """The store's SQLite files, relative to its directory."""
 
 
@@ -211,5 +212,5 @@ def repair(directory: str | Path, *, secret: Secrets = None) -> RepairReport:
         report.scan = scan(store, orphan_age_s=0.0)
     finally:
         store.close()
-    DocumentRegistry(directory / "documents.sqlite").close()  # makes a set-aside registry anew
+    DocumentRegistry(directory / REGISTRY_DB).close()  # makes a set-aside registry anew
     return report

@@ -25,6 +25,8 @@ from typing import NamedTuple, Protocol
 
 from .errors import DamagedStoreError
 
+REGISTRY_DB = "documents.sqlite"
+"""The registry's SQLite file in a store directory."""
 MIN_DOCUMENT_CHARS = 32
 """Texts shorter than this are not registered as documents."""
 LOOKUP_BATCH = 500
