@@ -5,7 +5,7 @@ with the bits a prefill gives them (the split-invariant forward; DESIGN.md contr
 request that starts with the same tokens, in the same namespace and for the same tenant, goes on
 from that cache, as llama.cpp goes on from its context: what it shares is not laid from the
 store again, and only what follows is computed. The store holds the same chunks either way; a
-held context saves the copy (28 ms of a 4K-token SmolLM2 prompt) and the store's lookups.
+held context saves the copy (28-36 ms for a 4K-token SmolLM2 prompt) and the store's lookups.
 
 A held cache is handed to one request at a time (:meth:`HeldContexts.take` removes it), so two
 requests never write into the same buffers.
