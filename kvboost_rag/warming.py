@@ -13,6 +13,7 @@ from .blend import record_sources
 from .canonical import CanonicalPrompt, PromptInput, Segment, normalize_text, segments_before
 from .core import EngineCore
 from .errors import ContextWindowExceededError, InvalidRequestError
+from .held_context import common_prefix
 from .keys import salted
 from .results import PrewarmReport, WarmReport
 from .runner import CacheFiller
@@ -127,8 +128,7 @@ def store_reply_from_cache(
         return True  # nothing reusable to store
     canonical = core.canonicalize(head, add_generation_prompt=False)
     ids = canonical.token_ids
-    differ = (i for i, (mine, held) in enumerate(zip(ids, cache_ids, strict=False)) if mine != held)
-    common = next(differ, min(len(ids), len(cache_ids)))  # leading tokens the cache holds
+    common = common_prefix(ids, cache_ids)  # leading tokens the cache holds
     chunks = core.chunks(canonical, salt)
     filler = CacheFiller(core.assembler, ids, chunks, cache, core.store, None, index=core.prefix_index)
     held_from = cache.held_from if isinstance(cache, BufferedCache) else 0
